@@ -1,0 +1,32 @@
+"""linattn_jax: efficient attention mechanisms as pure JAX functions.
+
+Layout ``[B, T, N, H]`` for queries and ``[B, S, K, H]`` / ``[B, S, K, D]``
+for keys and values, as in ``jax.nn.dot_product_attention``.
+"""
+
+from linattn_jax import masks
+from linattn_jax._src.flash import flash_attention
+from linattn_jax._src.registry import (
+    AttentionFn,
+    AttentionSpec,
+    available_attentions,
+    get_attention,
+    get_spec,
+    register_attention,
+)
+from linattn_jax._src.softmax import softmax_attention, softmax_attention_reference
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AttentionFn",
+    "AttentionSpec",
+    "available_attentions",
+    "flash_attention",
+    "get_attention",
+    "get_spec",
+    "masks",
+    "register_attention",
+    "softmax_attention",
+    "softmax_attention_reference",
+]

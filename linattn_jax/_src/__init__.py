@@ -1,0 +1,1 @@
+"""Private implementation of linattn_jax; import from the public modules."""

@@ -1,0 +1,212 @@
+"""Input validation shared by every attention variant.
+
+Everything here runs in Python at trace time, on static shapes, and raises
+``ValueError`` naming the argument and the shapes involved. No ``assert`` is
+used for user input.
+
+Letters: B batch, T query length, S key/value length, N query heads,
+K key/value heads (G = N // K), H query/key head dim, D value head dim.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64)
+
+
+class Dims(NamedTuple):
+  """Static sizes of one attention call (batched layout)."""
+
+  B: int
+  T: int
+  S: int
+  N: int
+  K: int
+  H: int
+  D: int
+
+  @property
+  def G(self) -> int:
+    """Query heads per key/value head."""
+    return self.N // self.K
+
+
+class Prepared(NamedTuple):
+  """Validated, batched ``[B, T, N, H]`` / ``[B, S, K, H]`` / ``[B, S, K, D]`` arrays."""
+
+  query: jax.Array
+  key: jax.Array
+  value: jax.Array
+  dims: Dims
+  batched: bool  # False when the caller passed rank-3 (unbatched) arrays.
+
+  def restore(self, out: jax.Array) -> jax.Array:
+    """Drops the batch axis added for unbatched inputs."""
+    return out if self.batched else out[0]
+
+
+def prepare_qkv(query: Any, key: Any, value: Any, *, fn: str) -> Prepared:
+  """Checks ranks, dtypes and head counts; adds a batch axis to rank-3 inputs.
+
+  Args:
+    query: ``[B, T, N, H]`` or ``[T, N, H]``.
+    key: ``[B, S, K, H]`` or ``[S, K, H]``.
+    value: ``[B, S, K, D]`` or ``[S, K, D]``.
+    fn: name of the public function, used in error messages.
+
+  Returns:
+    A :class:`Prepared` with rank-4 arrays and their :class:`Dims`.
+
+  Raises:
+    ValueError: on wrong ranks, mixed or unsupported dtypes, a head count N
+      that K does not divide, or mismatched B, S or H.
+  """
+  query, key, value = (jnp.asarray(x) for x in (query, key, value))
+  shapes = f"query {query.shape}, key {key.shape}, value {value.shape}"
+  ranks = {query.ndim, key.ndim, value.ndim}
+  if len(ranks) != 1 or ranks.pop() not in (3, 4):
+    raise ValueError(
+        f"{fn}: query, key and value must all be rank 4 [B, T|S, heads, dim] "
+        f"or all rank 3 [T|S, heads, dim]; got {shapes}."
+    )
+  dtypes = {query.dtype, key.dtype, value.dtype}
+  if len(dtypes) != 1:
+    raise ValueError(
+        f"{fn}: query, key and value must share one dtype; got query "
+        f"{query.dtype}, key {key.dtype}, value {value.dtype}."
+    )
+  dtype = query.dtype
+  if dtype not in SUPPORTED_DTYPES:
+    raise ValueError(
+        f"{fn}: dtype {dtype} is not supported; use float32, bfloat16, "
+        "float16 (or float64 for checks)."
+    )
+  batched = query.ndim == 4
+  if not batched:
+    query, key, value = query[None], key[None], value[None]
+  B, T, N, H = query.shape
+  Bk, S, K, Hk = key.shape
+  Bv, Sv, Kv, D = value.shape
+  if not B == Bk == Bv:
+    raise ValueError(f"{fn}: batch sizes differ: {shapes}.")
+  if S != Sv:
+    raise ValueError(
+        f"{fn}: key and value lengths differ ({S} vs {Sv}): {shapes}."
+    )
+  if K != Kv:
+    raise ValueError(
+        f"{fn}: key and value head counts differ ({K} vs {Kv}): {shapes}."
+    )
+  if H != Hk:
+    raise ValueError(
+        f"{fn}: query and key head dims differ ({H} vs {Hk}): {shapes}."
+    )
+  if K == 0 or N % K != 0:
+    raise ValueError(
+        f"{fn}: the number of query heads N={N} must be a multiple of the "
+        f"number of key/value heads K={K}: {shapes}."
+    )
+  if min(T, S, H, D) == 0:
+    raise ValueError(f"{fn}: zero-sized axis in {shapes}.")
+  return Prepared(query, key, value, Dims(B, T, S, N, K, H, D), batched)
+
+
+def check_lengths(
+    prepared: Prepared, *, fn: str, **lengths: Any
+) -> dict[str, jax.Array | None]:
+  """Validates ``[B]`` integer length arrays; returns them as int32 ``[B]``.
+
+  Keyword names are the argument names (``query_seq_lengths=...``). For
+  unbatched calls each length is a scalar (shape ``()``). A length above the
+  padded length means "all valid"; None means no padding.
+  """
+  want = (prepared.dims.B,) if prepared.batched else ()
+  out = {}
+  for name, x in lengths.items():
+    if x is None:
+      out[name] = None
+      continue
+    x = jnp.asarray(x)
+    if x.shape != want:
+      raise ValueError(
+          f"{fn}: {name} must have shape {want} (one length per batch entry); "
+          f"got {x.shape}."
+      )
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+      raise ValueError(f"{fn}: {name} must be integers; got {x.dtype}.")
+    out[name] = jnp.reshape(x, (prepared.dims.B,)).astype(jnp.int32)
+  return out
+
+
+def check_broadcast(
+    x: Any, *, name: str, target: Sequence[int], fn: str, dtype_kind: str
+) -> jax.Array | None:
+  """Checks that ``x`` broadcasts to ``target`` and has the right dtype kind.
+
+  Returns ``x`` reshaped to the rank of ``target`` (leading 1s added).
+  ``dtype_kind`` is ``"bool"`` (masks) or ``"float"`` (biases).
+  """
+  if x is None:
+    return None
+  x = jnp.asarray(x)
+  if dtype_kind == "bool" and x.dtype != jnp.bool_:
+    raise ValueError(
+        f"{fn}: {name} must be boolean (True = attend); got {x.dtype}. Pass "
+        "additive masks as `bias`."
+    )
+  if dtype_kind == "float" and not jnp.issubdtype(x.dtype, jnp.floating):
+    raise ValueError(f"{fn}: {name} must be floating point; got {x.dtype}.")
+  target = tuple(target)
+  try:
+    ok = x.ndim <= len(target) and np.broadcast_shapes(x.shape, target) == target
+  except ValueError:
+    ok = False
+  if not ok:
+    raise ValueError(
+        f"{fn}: {name} of shape {x.shape} does not broadcast to "
+        f"[B, N, T, S] = {target}."
+    )
+  return jnp.reshape(x, (1,) * (len(target) - x.ndim) + x.shape)
+
+
+def accumulation_dtype(dtype: Any) -> jnp.dtype:
+  """float32 for float32/bfloat16/float16 inputs; float64 for float64 inputs."""
+  return jnp.promote_types(dtype, jnp.float32)
+
+
+def resolve_scale(scale: float | None, head_dim: int) -> float:
+  """The logit scale: ``scale`` if given, else ``1 / sqrt(H)``."""
+  return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+
+
+def check_positive_int(value: Any, *, name: str, fn: str) -> int:
+  """Checks a static positive integer option (block or chunk sizes)."""
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+    raise ValueError(f"{fn}: {name} must be a positive int; got {value!r}.")
+  return int(value)
+
+
+def check_choice(value: Any, *, name: str, choices: Sequence[Any], fn: str) -> Any:
+  """Checks that a static option is one of ``choices``."""
+  if value not in choices:
+    raise ValueError(
+        f"{fn}: unknown {name}={value!r}; expected one of {list(choices)}."
+    )
+  return value
+
+
+def reject_unsupported(fn: str, implementation: str, **options: Any) -> None:
+  """Raises for every option that is set but the implementation cannot honour."""
+  for name, value in options.items():
+    if value is not None and value is not False:
+      raise ValueError(
+          f"{fn}: implementation={implementation!r} does not support `{name}`; "
+          "choose another implementation or drop the option."
+      )

@@ -1,0 +1,284 @@
+"""Blockwise exact softmax attention with O(T) memory ("flash" attention).
+
+The forward pass visits key/value blocks with an online softmax (see
+``online_softmax``) and never forms a ``[T, S]`` array; it saves only the
+output and the per-row log-sum-exp ``lse``. The backward pass recomputes each
+block's probabilities ``P = exp(Q Kᵀ·scale - lse)`` and accumulates, per
+block (Dao, 2023, FlashAttention-2, Alg. 2)::
+
+    dV += Pᵀ dO
+    dP  = dO Vᵀ
+    dS  = P ∘ (dP - rowsum(dO ∘ O))
+    dQ += dS K · scale
+    dK += dSᵀ Q · scale
+
+Causal runs (and runs with lengths) skip blocks with no visible key.
+Internal layout: queries ``[B, K, G, T, H]``, keys ``[B, K, S, H]``, values
+``[B, K, S, D]``, so grouped queries meet their shared key/value head without
+copying it. Blocks are computed in float32 (float64 for float64 inputs).
+
+References:
+  Dao et al., "FlashAttention: Fast and Memory-Efficient Exact Attention with
+  IO-Awareness", 2022. Dao, "FlashAttention-2", 2023.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from linattn_jax._src import checks
+from linattn_jax._src.blocks import merge_blocks, num_blocks, pad_axis, split_blocks
+from linattn_jax._src.masks import causal_predicate, length_predicate
+from linattn_jax._src.online_softmax import (
+    init_softmax_carry,
+    online_softmax_finish,
+    online_softmax_update,
+)
+
+DEFAULT_BLOCK_Q = 512
+DEFAULT_BLOCK_K = 512
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+  """Static description of one flash call (hashable: a custom_vjp nondiff arg)."""
+
+  T: int
+  S: int
+  block_q: int
+  block_k: int
+  is_causal: bool
+  scale: float
+
+  @property
+  def num_q_blocks(self) -> int:
+    return num_blocks(self.T, self.block_q)
+
+  @property
+  def num_k_blocks(self) -> int:
+    return num_blocks(self.S, self.block_k)
+
+  def block_mask(self, i, j, q_len, kv_len) -> jax.Array:
+    """Visibility of key block j to query block i: ``[B|1, 1, 1, bq, bk]``."""
+    q_pos = i * self.block_q + jnp.arange(self.block_q)
+    k_pos = j * self.block_k + jnp.arange(self.block_k)
+    ok = jnp.broadcast_to(k_pos[None, :] < self.S, (self.block_q, self.block_k))
+    if self.is_causal:
+      ok &= causal_predicate(q_pos[:, None], k_pos[None, :], self.T, self.S)
+    ok = ok[None] & length_predicate(q_pos, q_len)[:, :, None]
+    ok &= length_predicate(k_pos, kv_len)[:, None, :]
+    return ok[:, None, None]
+
+  def key_block_range(self, i, q_len, kv_len):
+    """Key blocks ``[0, hi)`` that query block i can see (traced ints)."""
+    hi = jnp.asarray(self.num_k_blocks)
+    if self.is_causal:
+      last_q = jnp.minimum((i + 1) * self.block_q, self.T) - 1
+      last_k = last_q + (self.S - self.T)
+      hi = jnp.minimum(hi, jnp.maximum(last_k // self.block_k + 1, 0))
+    if kv_len is not None:
+      hi = jnp.minimum(hi, num_blocks(jnp.max(kv_len), self.block_k))
+    if q_len is not None:
+      hi = jnp.where(i * self.block_q >= jnp.max(q_len), 0, hi)
+    return 0, hi
+
+  def query_block_range(self, j, q_len, kv_len):
+    """Query blocks ``[lo, hi)`` that can see key block j (traced ints)."""
+    lo = jnp.asarray(0)
+    hi = jnp.asarray(self.num_q_blocks)
+    if self.is_causal:
+      first_q = j * self.block_k - (self.S - self.T)
+      lo = jnp.maximum(first_q // self.block_q, 0)
+    if q_len is not None:
+      hi = jnp.minimum(hi, num_blocks(jnp.max(q_len), self.block_q))
+    if kv_len is not None:
+      hi = jnp.where(j * self.block_k >= jnp.max(kv_len), lo, hi)
+    return lo, hi
+
+
+def _scores(cfg: _Config, q_blk, k_blk, i, j, q_len, kv_len) -> jax.Array:
+  """Masked, scaled scores (accumulation dtype) ``[B, K, G, bq, bk]`` of one block pair."""
+  acc = checks.accumulation_dtype(q_blk.dtype)
+  s = jnp.einsum("bkgqh,bkch->bkgqc", q_blk.astype(acc), k_blk.astype(acc))
+  return jnp.where(cfg.block_mask(i, j, q_len, kv_len), s * cfg.scale, -jnp.inf)
+
+
+def _forward(cfg: _Config, q, k, v, q_len, kv_len):
+  """Returns output ``[B, K, G, T, D]`` (input dtype) and lse ``[B, K, G, T]``."""
+  B, K, G, _, _ = q.shape
+  D = v.shape[-1]
+  acc = checks.accumulation_dtype(q.dtype)
+  q_blocks = split_blocks(q, 3, cfg.block_q)  # [nq, B, K, G, bq, H]
+  k_blocks = split_blocks(k, 2, cfg.block_k)  # [nk, B, K, bk, H]
+  v_blocks = split_blocks(v, 2, cfg.block_k)  # [nk, B, K, bk, D]
+
+  def one_query_block(args):
+    i, q_blk = args
+
+    def visit(j, carry):
+      s = _scores(cfg, q_blk, k_blocks[j], i, j, q_len, kv_len)
+      v_blk = v_blocks[j].astype(acc)
+      return online_softmax_update(
+          carry, s, lambda p: jnp.einsum("bkgqc,bkcd->bkgqd", p, v_blk)
+      )
+
+    lo, hi = cfg.key_block_range(i, q_len, kv_len)
+    carry = lax.fori_loop(lo, hi, visit, init_softmax_carry((B, K, G, cfg.block_q), D, acc))
+    return online_softmax_finish(carry)
+
+  out, lse = lax.map(one_query_block, (jnp.arange(cfg.num_q_blocks), q_blocks))
+  return merge_blocks(out, 3, cfg.T).astype(q.dtype), merge_blocks(lse, 3, cfg.T)
+
+
+def _backward(cfg: _Config, residuals, d_out):
+  q, k, v, out, lse, q_len, kv_len = residuals
+  acc = checks.accumulation_dtype(q.dtype)
+  # delta_t = rowsum(dO ∘ O) = sum_j P_tj dP_tj, the softmax-Jacobian term.
+  delta = jnp.sum(d_out.astype(acc) * out.astype(acc), axis=-1)
+  # Rows that saw no key have lse = -inf; +inf makes their P exactly 0.
+  lse = pad_axis(jnp.where(lse == -jnp.inf, jnp.inf, lse), 3, cfg.block_q, jnp.inf)
+  q_blocks = split_blocks(q, 3, cfg.block_q)
+  do_blocks = split_blocks(d_out, 3, cfg.block_q)
+  lse_blocks = split_blocks(lse, 3, cfg.block_q)
+  delta_blocks = split_blocks(delta, 3, cfg.block_q)
+  k_blocks = split_blocks(k, 2, cfg.block_k)
+  v_blocks = split_blocks(v, 2, cfg.block_k)
+
+  def one_key_block(d_q, args):
+    j, k_blk, v_blk = args
+    k_acc, v_acc = k_blk.astype(acc), v_blk.astype(acc)
+
+    def visit(i, carry):
+      d_q, d_k, d_v = carry
+      q_acc = q_blocks[i].astype(acc)
+      do_acc = do_blocks[i].astype(acc)
+      s = _scores(cfg, q_blocks[i], k_blk, i, j, q_len, kv_len)
+      p = jnp.exp(s - lse_blocks[i][..., None])
+      d_v = d_v + jnp.einsum("bkgqc,bkgqd->bkcd", p, do_acc)
+      d_p = jnp.einsum("bkgqd,bkcd->bkgqc", do_acc, v_acc)
+      d_s = p * (d_p - delta_blocks[i][..., None]) * cfg.scale
+      d_q = d_q.at[i].add(jnp.einsum("bkgqc,bkch->bkgqh", d_s, k_acc))
+      d_k = d_k + jnp.einsum("bkgqc,bkgqh->bkch", d_s, q_acc)
+      return d_q, d_k, d_v
+
+    lo, hi = cfg.query_block_range(j, q_len, kv_len)
+    init = (d_q, jnp.zeros(k_blk.shape, acc), jnp.zeros(v_blk.shape, acc))
+    d_q, d_k, d_v = lax.fori_loop(lo, hi, visit, init)
+    return d_q, (d_k, d_v)
+
+  d_q0 = jnp.zeros(q_blocks.shape, acc)
+  d_q, (d_k, d_v) = lax.scan(
+      one_key_block, d_q0, (jnp.arange(cfg.num_k_blocks), k_blocks, v_blocks)
+  )
+  d_q = merge_blocks(d_q, 3, cfg.T).astype(q.dtype)
+  d_k = merge_blocks(d_k, 2, cfg.S).astype(k.dtype)
+  d_v = merge_blocks(d_v, 2, cfg.S).astype(v.dtype)
+  return d_q, d_k, d_v, None, None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash(cfg: _Config, q, k, v, q_len, kv_len):
+  return _forward(cfg, q, k, v, q_len, kv_len)[0]
+
+
+def _flash_fwd(cfg: _Config, q, k, v, q_len, kv_len):
+  out, lse = _forward(cfg, q, k, v, q_len, kv_len)
+  return out, (q, k, v, out, lse, q_len, kv_len)
+
+
+_flash.defvjp(_flash_fwd, _backward)
+
+
+def flash_attention_4d(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    *,
+    is_causal: bool,
+    scale: float,
+    query_seq_lengths: jax.Array | None,
+    key_value_seq_lengths: jax.Array | None,
+    block_q: int,
+    block_k: int,
+) -> jax.Array:
+  """Flash attention on validated ``[B, T, N, H]`` arrays (no checks)."""
+  B, T, N, H = query.shape
+  _, S, K, D = value.shape
+  G = N // K
+  cfg = _Config(
+      T=T, S=S, block_q=min(block_q, T), block_k=min(block_k, S),
+      is_causal=bool(is_causal), scale=float(scale),
+  )
+  q = query.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, H]
+  k = key.transpose(0, 2, 1, 3)  # [B, K, S, H]
+  v = value.transpose(0, 2, 1, 3)  # [B, K, S, D]
+  out = _flash(cfg, q, k, v, query_seq_lengths, key_value_seq_lengths)
+  return out.transpose(0, 3, 1, 2, 4).reshape(B, T, N, D)
+
+
+def flash_attention(
+    query: Any,
+    key: Any,
+    value: Any,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    query_seq_lengths: Any = None,
+    key_value_seq_lengths: Any = None,
+    block_q: int = DEFAULT_BLOCK_Q,
+    block_k: int = DEFAULT_BLOCK_K,
+) -> jax.Array:
+  """Exact softmax attention in O(T) memory, blockwise with an online softmax.
+
+  Computes ``softmax(Q Kᵀ · scale, masked) V`` like
+  :func:`softmax_attention`, visiting ``block_q x block_k`` tiles so that no
+  ``[T, S]`` array is formed, forward or backward. The backward pass is a
+  ``custom_vjp`` that saves only the output and the per-row log-sum-exp and
+  recomputes each tile. Causal runs skip tiles above the diagonal; lengths
+  need not be multiples of the block sizes.
+
+  Args:
+    query: ``[B, T, N, H]`` (or ``[T, N, H]``).
+    key: ``[B, S, K, H]``; K must divide N (GQA / MQA).
+    value: ``[B, S, K, D]``; D may differ from H.
+    is_causal: query i sees keys ``j <= i + S - T`` (bottom-right aligned).
+    scale: logit scale, default ``1 / sqrt(H)``.
+    query_seq_lengths: optional ``[B]`` ints; rows at or past it return zeros.
+    key_value_seq_lengths: optional ``[B]`` ints; keys at or past it are masked.
+    block_q: query tile length (static).
+    block_k: key tile length (static).
+
+  Returns:
+    ``[B, T, N, D]`` in the input dtype; rows with no visible key are zero.
+
+  Raises:
+    ValueError: on bad shapes, dtypes, lengths or block sizes.
+
+  Examples:
+    >>> q = k = v = jnp.ones((1, 1000, 8, 64))
+    >>> flash_attention(q, k, v, is_causal=True, block_q=256).shape
+    (1, 1000, 8, 64)
+
+  References:
+    Dao et al., FlashAttention (2022); Dao, FlashAttention-2 (2023).
+  """
+  fn = "flash_attention"
+  p = checks.prepare_qkv(query, key, value, fn=fn)
+  lengths = checks.check_lengths(
+      p, fn=fn, query_seq_lengths=query_seq_lengths,
+      key_value_seq_lengths=key_value_seq_lengths,
+  )
+  out = flash_attention_4d(
+      p.query, p.key, p.value,
+      is_causal=is_causal,
+      scale=checks.resolve_scale(scale, p.dims.H),
+      block_q=checks.check_positive_int(block_q, name="block_q", fn=fn),
+      block_k=checks.check_positive_int(block_k, name="block_k", fn=fn),
+      **lengths,
+  )
+  return p.restore(out)

@@ -1,0 +1,89 @@
+"""Online (streaming) softmax accumulation, the core of blockwise attention.
+
+Softmax-weighted sums can be built one block of scores at a time while
+keeping only a running maximum ``m``, a running normaliser ``l`` and an
+unnormalised accumulator ``a`` per row (Milakov & Gimelshein, 2018; Dao et al.,
+FlashAttention, 2022). After blocks s_1..s_b with values v_1..v_b::
+
+    m = max over all seen scores
+    l = sum_j exp(s_j - m)
+    a = sum_j exp(s_j - m) v_j
+    out = a / l,     lse = m + log(l)
+
+A new block rescales the old ``l`` and ``a`` by ``exp(m_old - m_new)``.
+Masked scores are ``-inf``; a row that has seen only ``-inf`` keeps ``l = 0``
+and finishes as zeros with ``lse = -inf`` (never NaN). State is float32
+(float64 for float64 inputs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class SoftmaxCarry(NamedTuple):
+  """Running state of an online softmax over rows R."""
+
+  row_max: jax.Array  # [..., R] float32, max score seen so far (-inf: none).
+  row_sum: jax.Array  # [..., R] float32, sum of exp(score - row_max).
+  acc: jax.Array  # [..., R, D] float32, sum of exp(score - row_max) * value.
+
+
+def init_softmax_carry(
+    rows_shape: tuple[int, ...], value_dim: int, dtype: Any = jnp.float32
+) -> SoftmaxCarry:
+  """Empty carry for ``rows_shape`` rows and value dim ``value_dim``."""
+  return SoftmaxCarry(
+      row_max=jnp.full(rows_shape, -jnp.inf, dtype),
+      row_sum=jnp.zeros(rows_shape, dtype),
+      acc=jnp.zeros(rows_shape + (value_dim,), dtype),
+  )
+
+
+def _safe_max(row_max: jax.Array) -> jax.Array:
+  """The row max with -inf (row saw nothing yet) replaced by 0."""
+  return jnp.where(row_max == -jnp.inf, 0.0, row_max)
+
+
+def online_softmax_update(
+    carry: SoftmaxCarry,
+    scores: jax.Array,
+    weighted_sum: Callable[[jax.Array], jax.Array],
+) -> SoftmaxCarry:
+  """Folds one block of scores into the carry.
+
+  Args:
+    carry: the running state.
+    scores: ``[..., R, C]`` float32 (or float64) scores of C keys, ``-inf`` where masked.
+    weighted_sum: maps probabilities ``[..., R, C]`` (float32) to their
+      value-weighted sum ``[..., R, D]``, e.g. an einsum with the value block.
+
+  Returns:
+    The updated carry.
+  """
+  new_max = jnp.maximum(carry.row_max, jnp.max(scores, axis=-1))
+  shift = _safe_max(new_max)
+  correction = jnp.exp(carry.row_max - shift)  # 0 where nothing was seen.
+  probs = jnp.exp(scores - shift[..., None])
+  return SoftmaxCarry(
+      row_max=new_max,
+      row_sum=carry.row_sum * correction + jnp.sum(probs, axis=-1),
+      acc=carry.acc * correction[..., None] + weighted_sum(probs),
+  )
+
+
+def online_softmax_finish(carry: SoftmaxCarry) -> tuple[jax.Array, jax.Array]:
+  """Normalises the carry.
+
+  Returns:
+    ``(out, lse)``: ``out = acc / row_sum`` ``[..., R, D]`` (zeros for
+    rows that saw no key) and the log-sum-exp ``[..., R]`` (``-inf`` there).
+  """
+  empty = carry.row_sum == 0.0
+  out = carry.acc / jnp.where(empty, 1.0, carry.row_sum)[..., None]
+  lse = jnp.where(empty, -jnp.inf, carry.row_max + jnp.log(jnp.where(empty, 1.0, carry.row_sum)))
+  return out, lse

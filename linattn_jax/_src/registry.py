@@ -1,0 +1,127 @@
+"""Attention variants by name, with one uniform call signature.
+
+``get_attention(name, **options)`` returns ``fn(query, key, value, *,
+is_causal=False, key_value_seq_lengths=None)``; the options are checked
+against the variant's keyword arguments when the function is built, so a
+misspelt option fails at once instead of being ignored.
+
+Each entry also records its oracle and which of its options only choose *how*
+to compute (implementation, block sizes): the shared test suite runs every
+registered variant against its oracle with those options dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+
+class AttentionFn(Protocol):
+  """The uniform signature every registered attention has."""
+
+  def __call__(self, query: Any, key: Any, value: Any, *, is_causal: bool = False,
+               key_value_seq_lengths: Any = None) -> Any:
+    ...
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSpec:
+  """One registered variant.
+
+  Attributes:
+    name: registry name.
+    function: the public function ``(query, key, value, *, is_causal,
+      key_value_seq_lengths, **options)``.
+    reference: its oracle, taking the same keywords minus ``how_options``.
+    how_options: options that choose how the result is computed, not what
+      it is (e.g. ``implementation``, block sizes); not passed to the oracle.
+    implementations: values of ``implementation=`` the shared suite runs
+      (``(None,)`` when the function has no such option).
+    test_options: options the shared suite uses on its small shapes (e.g.
+      small blocks, so that several blocks and a partial one are exercised).
+    supports_causal: whether ``is_causal=True`` is supported.
+    supports_noncausal: whether ``is_causal=False`` is supported.
+    exact: whether the variant equals softmax attention (the suite then also
+      checks it against ``softmax_attention_reference``).
+  """
+
+  name: str
+  function: Callable[..., Any]
+  reference: Callable[..., Any]
+  how_options: frozenset[str] = frozenset({"implementation"})
+  implementations: tuple[str | None, ...] = (None,)
+  test_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  supports_causal: bool = True
+  supports_noncausal: bool = True
+  exact: bool = False
+
+  def build(self, **options: Any) -> AttentionFn:
+    """The function with ``options`` bound, after checking their names."""
+    _check_options(self.name, self.function, options)
+    return functools.partial(self.function, **options)
+
+  def build_reference(self, **options: Any) -> AttentionFn:
+    """The oracle with the non-``how`` options bound."""
+    what = {k: v for k, v in options.items() if k not in self.how_options}
+    _check_options(self.name, self.reference, what)
+    return functools.partial(self.reference, **what)
+
+
+_UNIFORM = ("is_causal", "key_value_seq_lengths")
+_REGISTRY: dict[str, AttentionSpec] = {}
+
+
+def _check_options(name: str, function: Callable[..., Any], options: Mapping[str, Any]) -> None:
+  params = inspect.signature(function).parameters
+  allowed = sorted(p for p, v in params.items()
+                   if v.kind is inspect.Parameter.KEYWORD_ONLY and p not in _UNIFORM)
+  for option in options:
+    if option in _UNIFORM:
+      raise ValueError(
+          f"get_attention({name!r}): `{option}` is passed at call time, not as an option."
+      )
+    if option not in allowed:
+      raise ValueError(
+          f"get_attention({name!r}): unknown option `{option}`; options are {allowed}."
+      )
+
+
+def register_attention(spec: AttentionSpec) -> AttentionSpec:
+  """Adds ``spec`` to the registry (a name can be registered once)."""
+  if spec.name in _REGISTRY:
+    raise ValueError(f"register_attention: {spec.name!r} is already registered.")
+  _REGISTRY[spec.name] = spec
+  return spec
+
+
+def get_spec(name: str) -> AttentionSpec:
+  """The :class:`AttentionSpec` registered as ``name``."""
+  if name not in _REGISTRY:
+    raise ValueError(
+        f"unknown attention {name!r}; available: {available_attentions()}."
+    )
+  return _REGISTRY[name]
+
+
+def get_attention(name: str, **options: Any) -> AttentionFn:
+  """Returns the attention called ``name`` with ``options`` bound.
+
+  The result has the uniform signature ``fn(query, key, value, *,
+  is_causal=False, key_value_seq_lengths=None)``.
+
+  Raises:
+    ValueError: for an unknown name or an option the variant does not take.
+
+  Examples:
+    >>> attn = get_attention("flash", block_q=128)
+    >>> out = attn(q, k, v, is_causal=True)  # doctest: +SKIP
+  """
+  return get_spec(name).build(**options)
+
+
+def available_attentions() -> list[str]:
+  """Names accepted by :func:`get_attention`, sorted."""
+  return sorted(_REGISTRY)

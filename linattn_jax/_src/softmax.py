@@ -1,0 +1,266 @@
+"""Exact softmax attention: the reference, the XLA path and the dispatcher.
+
+    out = softmax(Q Kᵀ · scale + bias, masked) V
+
+Letters: B batch, T query length, S key length, N query heads, K key/value
+heads (G = N // K), H query/key head dim, D value head dim.
+
+Masks combine by logical and: the boolean ``mask`` (True = attend), the causal
+pattern (query i sees keys ``j <= i + S - T``, bottom-right aligned, see
+``masks.causal``) and the padding from ``query_seq_lengths`` /
+``key_value_seq_lengths``. A query row that can see no key returns zeros.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from linattn_jax._src import checks
+from linattn_jax._src import masks as masks_lib
+from linattn_jax._src.flash import (
+    DEFAULT_BLOCK_K,
+    DEFAULT_BLOCK_Q,
+    flash_attention,
+    flash_attention_4d,
+)
+from linattn_jax._src.registry import AttentionSpec, register_attention
+
+IMPLEMENTATIONS = ("reference", "xla", "flash")
+
+# `implementation=None` switches to flash once a materialised [B, N, T, S]
+# float32 score array would exceed this many elements (2 GiB).
+FLASH_THRESHOLD_ELEMENTS = 2**29
+
+
+class _Args(NamedTuple):
+  """Validated batched arguments of one softmax attention call."""
+
+  prepared: checks.Prepared
+  bias: jax.Array | None  # [B|1, N|1, T|1, S|1]
+  mask: jax.Array | None  # [B|1, N|1, T|1, S|1] bool
+  is_causal: bool
+  scale: float
+  query_seq_lengths: jax.Array | None  # [B] int32
+  key_value_seq_lengths: jax.Array | None  # [B] int32
+
+
+def _prepare(query, key, value, *, bias, mask, is_causal, scale,
+             query_seq_lengths, key_value_seq_lengths, fn: str) -> _Args:
+  p = checks.prepare_qkv(query, key, value, fn=fn)
+  B, T, S, N, _, H, _ = p.dims
+  target = (B, N, T, S) if p.batched else (N, T, S)
+  bias, mask = (
+      checks.check_broadcast(x, name=name, target=target, fn=fn, dtype_kind=kind)
+      for x, name, kind in ((bias, "bias", "float"), (mask, "mask", "bool"))
+  )
+  if not p.batched:
+    bias, mask = (None if x is None else x[None] for x in (bias, mask))
+  lengths = checks.check_lengths(
+      p, fn=fn, query_seq_lengths=query_seq_lengths,
+      key_value_seq_lengths=key_value_seq_lengths,
+  )
+  return _Args(p, bias, mask, bool(is_causal), checks.resolve_scale(scale, H), **lengths)
+
+
+def _combined_mask(a: _Args) -> jax.Array | None:
+  """The logical and of every mask in ``a``: ``[B|1, N|1, T, S]``, or None."""
+  T, S = a.prepared.dims.T, a.prepared.dims.S
+  parts = []
+  if a.mask is not None:
+    parts.append(a.mask)
+  if a.is_causal:
+    parts.append(masks_lib.causal(T, S)[None, None])
+  if a.query_seq_lengths is not None or a.key_value_seq_lengths is not None:
+    parts.append(masks_lib.padding(
+        T, S, query_seq_lengths=a.query_seq_lengths,
+        key_value_seq_lengths=a.key_value_seq_lengths)[:, None])
+  if not parts:
+    return None
+  out = parts[0]
+  for part in parts[1:]:
+    out = out & part
+  return jnp.broadcast_to(out, out.shape[:2] + (T, S))
+
+
+def _reference(a: _Args) -> jax.Array:
+  acc = checks.accumulation_dtype(a.prepared.query.dtype)
+  q, k, v = (x.astype(acc) for x in a.prepared[:3])
+  G = a.prepared.dims.G
+  k = jnp.repeat(k, G, axis=2)  # [B, S, N, H]: head n uses kv head n // G.
+  v = jnp.repeat(v, G, axis=2)
+  s = jnp.einsum("btnh,bsnh->bnts", q, k) * a.scale
+  if a.bias is not None:
+    s = s + a.bias.astype(acc)
+  valid = _combined_mask(a)
+  if valid is not None:
+    s = jnp.where(valid, s, -jnp.inf)
+  m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
+  p = jnp.exp(s - jnp.where(m == -jnp.inf, 0.0, m))
+  l = jnp.sum(p, axis=-1, keepdims=True)
+  w = p / jnp.where(l == 0.0, 1.0, l)
+  out = jnp.einsum("bnts,bsnd->btnd", w, v)
+  return out.astype(a.prepared.query.dtype)
+
+
+def _xla(a: _Args) -> jax.Array:
+  """``jax.nn.dot_product_attention(implementation="xla")`` plus what it lacks.
+
+  It needs H == D, so the shorter of the two head dims is zero padded (which
+  changes neither Q Kᵀ nor the kept output columns). Its ``is_causal`` is
+  top-left aligned, so for T != S the bottom-right causal mask is passed as
+  ``mask``. It gives fully masked rows uniform weights; those rows are zeroed.
+  """
+  q, k, v = a.prepared[:3]
+  _, T, S, _, _, H, D = a.prepared.dims
+  width = max(H, D)
+  pad = lambda x: jnp.pad(x, [(0, 0)] * 3 + [(0, width - x.shape[-1])])  # noqa: E731
+  mask = a.mask
+  if a.is_causal and T != S:
+    causal = masks_lib.causal(T, S)[None, None]
+    mask = causal if mask is None else mask & causal
+  out = jax.nn.dot_product_attention(
+      pad(q), pad(k), pad(v),
+      bias=a.bias,
+      mask=mask,
+      scale=a.scale,
+      is_causal=a.is_causal and T == S,
+      query_seq_lengths=a.query_seq_lengths,
+      key_value_seq_lengths=a.key_value_seq_lengths,
+      implementation="xla",
+  )[..., :D]
+  valid = _combined_mask(a)
+  if valid is None:
+    return out
+  has_key = jnp.any(valid, axis=-1).transpose(0, 2, 1)  # [B|1, T, N|1]
+  return jnp.where(has_key[..., None], out, 0).astype(out.dtype)
+
+
+def softmax_attention_reference(
+    query: Any,
+    key: Any,
+    value: Any,
+    *,
+    bias: Any = None,
+    mask: Any = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    query_seq_lengths: Any = None,
+    key_value_seq_lengths: Any = None,
+) -> jax.Array:
+  """The oracle: plain float32 einsum softmax attention, O(T·S) memory.
+
+  Same arguments and result as :func:`softmax_attention`. Key/value heads are
+  repeated G times, scores, softmax and the weighted sum are float32, and
+  the output is cast to the input dtype. Never optimised.
+  """
+  return _reference_or_dispatch(
+      query, key, value, bias=bias, mask=mask, is_causal=is_causal, scale=scale,
+      query_seq_lengths=query_seq_lengths,
+      key_value_seq_lengths=key_value_seq_lengths,
+      implementation="reference", fn="softmax_attention_reference",
+  )
+
+
+def softmax_attention(
+    query: Any,
+    key: Any,
+    value: Any,
+    *,
+    bias: Any = None,
+    mask: Any = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    query_seq_lengths: Any = None,
+    key_value_seq_lengths: Any = None,
+    implementation: str | None = None,
+) -> jax.Array:
+  """Exact scaled dot-product attention.
+
+  ``out[b, t, n] = sum_s w[b, n, t, s] v[b, s, n // G]`` with
+  ``w = softmax_s(q[b, t, n] · k[b, s, n // G] · scale + bias)`` over the
+  visible keys. Arguments follow ``jax.nn.dot_product_attention``.
+
+  Args:
+    query: ``[B, T, N, H]`` (or unbatched ``[T, N, H]``).
+    key: ``[B, S, K, H]``; K must divide N (GQA; K = 1 is MQA).
+    value: ``[B, S, K, D]``; D may differ from H.
+    bias: optional float array broadcastable to ``[B, N, T, S]``, added to the
+      scaled scores. Use ``mask`` rather than ``-inf`` entries to hide keys.
+    mask: optional bool array broadcastable to ``[B, N, T, S]``; True = attend.
+    is_causal: query i sees keys ``j <= i + S - T`` (bottom-right aligned:
+      the last query lines up with the last key, as when decoding T new
+      tokens against S cached ones; the static T and S are used).
+    scale: logit scale; default ``1 / sqrt(H)``.
+    query_seq_lengths: optional ``[B]`` ints; rows at or past it return zeros.
+    key_value_seq_lengths: optional ``[B]`` ints; keys at or past it are masked.
+    implementation: ``"reference"`` (float32 einsum oracle), ``"xla"``
+      (``jax.nn.dot_product_attention``'s XLA path: fastest when the
+      ``[B, N, T, S]`` scores fit in memory), ``"flash"`` (blockwise, O(T)
+      memory; no ``bias`` / ``mask``, see :func:`flash_attention`), or None:
+      ``"flash"`` when there is no bias or mask and the scores would exceed
+      ``FLASH_THRESHOLD_ELEMENTS`` elements, else ``"xla"``.
+
+  Returns:
+    ``[B, T, N, D]`` (or ``[T, N, D]``) in the input dtype. Rows with no
+    visible key are zeros.
+
+  Raises:
+    ValueError: on bad ranks, mixed dtypes, mismatched batch/length/heads,
+      masks or biases that do not broadcast, an unknown implementation, or
+      an option the chosen implementation does not support.
+
+  Examples:
+    >>> q = jnp.ones((2, 16, 8, 64)); kv = jnp.ones((2, 16, 2, 64))
+    >>> softmax_attention(q, kv, kv, is_causal=True).shape
+    (2, 16, 8, 64)
+  """
+  return _reference_or_dispatch(
+      query, key, value, bias=bias, mask=mask, is_causal=is_causal, scale=scale,
+      query_seq_lengths=query_seq_lengths,
+      key_value_seq_lengths=key_value_seq_lengths,
+      implementation=implementation, fn="softmax_attention",
+  )
+
+
+def _reference_or_dispatch(query, key, value, *, implementation, fn, **options):
+  checks.check_choice(
+      implementation, name="implementation", choices=(None,) + IMPLEMENTATIONS, fn=fn
+  )
+  a = _prepare(query, key, value, fn=fn, **options)
+  if implementation is None:
+    B, T, S, N = a.prepared.dims[:4]
+    big = B * N * T * S > FLASH_THRESHOLD_ELEMENTS
+    implementation = "flash" if big and a.bias is None and a.mask is None else "xla"
+  if implementation == "reference":
+    out = _reference(a)
+  elif implementation == "xla":
+    out = _xla(a)
+  else:
+    checks.reject_unsupported(fn, "flash", bias=a.bias, mask=a.mask)
+    out = flash_attention_4d(
+        *a.prepared[:3], is_causal=a.is_causal, scale=a.scale,
+        query_seq_lengths=a.query_seq_lengths,
+        key_value_seq_lengths=a.key_value_seq_lengths,
+        block_q=DEFAULT_BLOCK_Q, block_k=DEFAULT_BLOCK_K,
+    )
+  return a.prepared.restore(out)
+
+
+register_attention(AttentionSpec(
+    name="softmax",
+    function=softmax_attention,
+    reference=softmax_attention_reference,
+    implementations=IMPLEMENTATIONS,
+    exact=True,
+))
+register_attention(AttentionSpec(
+    name="flash",
+    function=flash_attention,
+    reference=softmax_attention_reference,
+    how_options=frozenset({"block_q", "block_k"}),
+    test_options={"block_q": 4, "block_k": 8},
+    exact=True,
+))
