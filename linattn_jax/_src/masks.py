@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from linattn_jax._src.checks import check_positive_int
+
 
 def _positions(T: int, S: int) -> tuple[jax.Array, jax.Array]:
   return jnp.arange(T)[:, None], jnp.arange(S)[None, :]
@@ -163,8 +165,7 @@ def strided(T: int, S: int, stride: int, window_size: Any = None) -> jax.Array:
 
   Combine with :func:`causal` for the causal pattern.
   """
-  if isinstance(stride, bool) or not isinstance(stride, (int, np.integer)) or stride < 1:
-    raise ValueError(f"strided: stride must be an int >= 1; got {stride!r}.")
+  stride = check_positive_int(stride, name="stride", fn="strided")
   q, k = _positions(T, S)
   out = jnp.broadcast_to(k % stride == 0, (T, S))
   if window_size is not None:
@@ -194,8 +195,7 @@ def block_sparse(layout: Any, block_size: int, T: int, S: int) -> jax.Array:
   Raises:
     ValueError: on a non-positive block size or a layout of the wrong shape.
   """
-  if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
-    raise ValueError(f"block_sparse: block_size must be an int >= 1; got {block_size!r}.")
+  block_size = check_positive_int(block_size, name="block_size", fn="block_sparse")
   layout = np.asarray(layout)
   want = (-(-T // block_size), -(-S // block_size))
   if layout.ndim not in (2, 3) or layout.shape[-2:] != want:

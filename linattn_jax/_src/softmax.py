@@ -112,8 +112,12 @@ def _xla(a: _Args) -> jax.Array:
   changes neither Q Kᵀ nor the kept output columns). Its ``is_causal`` is
   top-left aligned, so for T != S the bottom-right causal mask is passed as
   ``mask``. It gives fully masked rows uniform weights; those rows are zeroed.
+  Its float16 matmuls do not compile on CPU, so there float16 runs in float32.
   """
   q, k, v = a.prepared[:3]
+  dtype = q.dtype
+  if dtype == jnp.float16 and jax.default_backend() == "cpu":
+    q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
   _, T, S, _, _, H, D = a.prepared.dims
   width = max(H, D)
   pad = lambda x: jnp.pad(x, [(0, 0)] * 3 + [(0, width - x.shape[-1])])  # noqa: E731
@@ -132,10 +136,10 @@ def _xla(a: _Args) -> jax.Array:
       implementation="xla",
   )[..., :D]
   valid = _combined_mask(a)
-  if valid is None:
-    return out
-  has_key = jnp.any(valid, axis=-1).transpose(0, 2, 1)  # [B|1, T, N|1]
-  return jnp.where(has_key[..., None], out, 0).astype(out.dtype)
+  if valid is not None:
+    has_key = jnp.any(valid, axis=-1).transpose(0, 2, 1)  # [B|1, T, N|1]
+    out = jnp.where(has_key[..., None], out, 0)
+  return out.astype(dtype)
 
 
 def softmax_attention_reference(

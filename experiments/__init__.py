@@ -1,0 +1,1 @@
+"""Experiments run on linattn_jax (benchmarks); not part of the installed package."""

@@ -1,0 +1,576 @@
+"""Times registered attentions against XLA attention and a matmul baseline.
+
+For every selected variant (and implementation), length ``T = S`` and mode
+(``forward``, or ``backward`` = forward plus the vector-Jacobian product
+w.r.t. query, key and value), the jitted function is lowered and compiled
+once; the compiled temporary/argument/output memory and the compile time are
+recorded, then the executable is timed (warm-up calls, then ``--repeats``
+calls, each ending in ``jax.block_until_ready``).
+
+Every length also runs, in the same process, ``jax.nn.dot_product_attention``
+(``implementation="xla"``) in each mode, and a float32 batched matmul
+``[B*N, T, H] x [B*N, H, D]`` whose FLOP rate stands for what the machine
+can do. Records quote ``ratio_vs_xla`` (median time over the XLA median) and,
+for exact variants, the useful-FLOP rate and its ``fraction_of_matmul_rate``.
+
+Writes ``<output_dir>/benchmark.json`` (after every case, so an interrupted
+run keeps what it measured) and log-log plots ``time_<mode>.png`` and
+``memory.png``.
+
+Usage (from the repository root)::
+
+  python -m experiments.benchmark --lengths=256,512,1024 --modes=forward,backward
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import itertools
+import json
+import os
+import pathlib
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+import linattn_jax
+
+_VARIANTS = flags.DEFINE_list(
+    "variants", ["softmax", "flash"], "Registry names to time (see available_attentions()).")
+_IMPLEMENTATIONS = flags.DEFINE_list(
+    "implementations", None,
+    "For variants with several `implementation=` values: which to run. "
+    "Default: all but 'reference'.")
+_LENGTHS = flags.DEFINE_list("lengths", ["256", "512", "1024"], "Sequence lengths T (= S).")
+_BATCH = flags.DEFINE_integer("batch", 1, "Batch size B.")
+_HEADS = flags.DEFINE_integer("heads", 8, "Query heads N.")
+_KV_HEADS = flags.DEFINE_integer("kv_heads", None, "Key/value heads K (default: --heads).")
+_HEAD_DIM = flags.DEFINE_integer("head_dim", 64, "Query/key head dim H.")
+_VALUE_DIM = flags.DEFINE_integer("value_dim", None, "Value head dim D (default: --head_dim).")
+_DTYPE = flags.DEFINE_enum(
+    "dtype", "float32", ["float32", "bfloat16", "float16"], "Dtype of q, k, v.")
+_CAUSAL = flags.DEFINE_bool("causal", True, "Pass is_causal=True.")
+_MODES = flags.DEFINE_list(
+    "modes", ["forward", "backward"],
+    "forward, and/or backward (forward + gradients w.r.t. q, k, v).")
+_REPEATS = flags.DEFINE_integer("repeats", 5, "Timed calls per case.")
+_WARMUP = flags.DEFINE_integer("warmup", 1, "Untimed calls before timing.")
+_OUTPUT_DIR = flags.DEFINE_string(
+    "output_dir", "results/benchmark", "Where benchmark.json and the plots go.")
+_PLOT = flags.DEFINE_bool("plot", True, "Write PNG plots (needs matplotlib).")
+_MAX_MEMORY_FRACTION = flags.DEFINE_float(
+    "max_memory_fraction", 0.7,
+    "Compile but do not run a case whose temp + argument + output bytes exceed "
+    "this fraction of physical RAM.")
+_OPTIONS = flags.DEFINE_string(
+    "options", None,
+    "JSON dict of options for get_attention, applied to every variant, "
+    "e.g. '{\"block_q\": 256}' (with --variants=flash).")
+_MATMUL_BASELINE = flags.DEFINE_bool(
+    "matmul_baseline", True, "Time the batched-matmul baseline at every length.")
+
+MODES = ("forward", "backward")
+# Labels of the two baselines in the records and plots.
+XLA_VARIANT, XLA_IMPLEMENTATION = "jax_dpa", "xla"
+MATMUL_VARIANT, MATMUL_IMPLEMENTATION = "matmul", "einsum_f32"
+_SEED = 0
+_MIB = 2**20
+_GIB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Everything a run depends on (the flags, validated and defaulted)."""
+
+  variants: tuple[str, ...]
+  implementations: tuple[str, ...] | None
+  lengths: tuple[int, ...]
+  batch: int
+  heads: int
+  kv_heads: int
+  head_dim: int
+  value_dim: int
+  dtype: str
+  causal: bool
+  modes: tuple[str, ...]
+  repeats: int
+  warmup: int
+  output_dir: str
+  plot: bool
+  max_memory_fraction: float
+  options: Mapping[str, Any]
+  matmul_baseline: bool
+
+
+class Case(NamedTuple):
+  """One measurement: ``kind`` is "attention", "xla" or "matmul"."""
+
+  kind: str
+  variant: str
+  implementation: str | None
+  length: int
+  mode: str
+
+
+class Inputs(NamedTuple):
+  """Device arrays of one length: attention inputs, cotangent, matmul operands."""
+
+  query: jax.Array  # [B, T, N, H]
+  key: jax.Array  # [B, S, K, H]
+  value: jax.Array  # [B, S, K, D]
+  cotangent: jax.Array  # [B, T, N, D]
+  lhs: jax.Array  # [B*N, T, H] float32
+  rhs: jax.Array  # [B*N, H, D] float32
+
+
+# ----------------------------------------------------------------- config ---
+
+
+def config_from_flags() -> Config:
+  """Reads and checks the flags (the only place they are read)."""
+  config = Config(
+      variants=tuple(_VARIANTS.value),
+      implementations=(tuple(_IMPLEMENTATIONS.value)
+                       if _IMPLEMENTATIONS.value is not None else None),
+      lengths=tuple(_parse_int_list(_LENGTHS.value, "lengths")),
+      batch=_BATCH.value,
+      heads=_HEADS.value,
+      kv_heads=_KV_HEADS.value if _KV_HEADS.value is not None else _HEADS.value,
+      head_dim=_HEAD_DIM.value,
+      value_dim=_VALUE_DIM.value if _VALUE_DIM.value is not None else _HEAD_DIM.value,
+      dtype=_DTYPE.value,
+      causal=_CAUSAL.value,
+      modes=tuple(_MODES.value),
+      repeats=_REPEATS.value,
+      warmup=_WARMUP.value,
+      output_dir=_OUTPUT_DIR.value,
+      plot=_PLOT.value,
+      max_memory_fraction=_MAX_MEMORY_FRACTION.value,
+      options=_parse_options(_OPTIONS.value),
+      matmul_baseline=_MATMUL_BASELINE.value,
+  )
+  _validate(config)
+  return config
+
+
+def _parse_int_list(values: Sequence[str], name: str) -> list[int]:
+  try:
+    return [int(v) for v in values]
+  except ValueError as e:
+    raise app.UsageError(f"--{name} must be a list of integers: {values}") from e
+
+
+def _parse_options(text: str | None) -> dict[str, Any]:
+  if not text:
+    return {}
+  try:
+    options = json.loads(text)
+  except json.JSONDecodeError as e:
+    raise app.UsageError(f"--options is not valid JSON: {e}") from e
+  if not isinstance(options, dict):
+    raise app.UsageError("--options must be a JSON object (dict).")
+  if "implementation" in options:
+    raise app.UsageError("choose implementations with --implementations, not --options.")
+  return options
+
+
+def _validate(config: Config) -> None:
+  """Fails fast, before anything is compiled, on an impossible configuration."""
+  unknown_modes = set(config.modes) - set(MODES)
+  if unknown_modes:
+    raise app.UsageError(f"--modes: unknown {sorted(unknown_modes)}; choose from {MODES}.")
+  if config.heads % config.kv_heads:
+    raise app.UsageError("--kv_heads must divide --heads.")
+  if config.repeats < 1 or config.warmup < 0 or min(config.lengths, default=0) < 1:
+    raise app.UsageError("need --repeats >= 1, --warmup >= 0 and positive --lengths.")
+  offered = set()
+  for name in config.variants:
+    try:
+      spec = linattn_jax.get_spec(name)
+      linattn_jax.get_attention(name, **config.options)  # Checks the option names.
+    except ValueError as e:
+      raise app.UsageError(str(e)) from e
+    offered.update(spec.implementations)
+  unknown = set(config.implementations or ()) - offered
+  if unknown:
+    raise app.UsageError(
+        f"--implementations: {sorted(unknown)} offered by none of {config.variants}.")
+
+
+# ------------------------------------------------------------------- plan ---
+
+
+def variant_implementations(name: str, requested: Sequence[str] | None) -> list[str | None]:
+  """Implementations of variant ``name`` to run (``[None]``: it has no choice)."""
+  offered = linattn_jax.get_spec(name).implementations
+  if offered == (None,):
+    return [None]
+  if requested is None:
+    return [impl for impl in offered if impl != "reference"]
+  return [impl for impl in offered if impl in requested]
+
+
+def _supports(name: str, causal: bool) -> bool:
+  spec = linattn_jax.get_spec(name)
+  return spec.supports_causal if causal else spec.supports_noncausal
+
+
+def plan_cases(config: Config) -> list[Case]:
+  """All cases, length by length; baselines come first so ratios can be quoted at once."""
+  attention = [
+      (name, impl)
+      for name in config.variants if _supports(name, config.causal)
+      for impl in variant_implementations(name, config.implementations)
+  ]
+  cases = []
+  for length in config.lengths:
+    if config.matmul_baseline:
+      cases.append(Case("matmul", MATMUL_VARIANT, MATMUL_IMPLEMENTATION, length, "forward"))
+    for mode in config.modes:
+      cases.append(Case("xla", XLA_VARIANT, XLA_IMPLEMENTATION, length, mode))
+      cases.extend(Case("attention", name, impl, length, mode) for name, impl in attention)
+  return cases
+
+
+# ------------------------------------------------------------- functions ---
+
+
+def make_inputs(config: Config, length: int) -> Inputs:
+  """Seeded standard-normal inputs for sequence length ``length``."""
+  rng = np.random.default_rng(_SEED)
+  B, N, K, H, D = config.batch, config.heads, config.kv_heads, config.head_dim, config.value_dim
+  shapes = [(B, length, N, H), (B, length, K, H), (B, length, K, D), (B, length, N, D)]
+  attention = [jnp.asarray(rng.standard_normal(s, np.float32), dtype=config.dtype)
+               for s in shapes]
+  lhs = jnp.asarray(rng.standard_normal((B * N, length, H), np.float32))
+  rhs = jnp.asarray(rng.standard_normal((B * N, H, D), np.float32))
+  return Inputs(*attention, lhs, rhs)
+
+
+def attention_function(config: Config, case: Case) -> Callable[..., jax.Array]:
+  """``fn(q, k, v)`` of an attention or XLA case, ``is_causal`` bound."""
+  if case.kind == "xla":
+    fn = functools.partial(jax.nn.dot_product_attention, implementation="xla")
+  else:
+    options = dict(config.options)
+    if case.implementation is not None:
+      options["implementation"] = case.implementation
+    fn = linattn_jax.get_attention(case.variant, **options)
+  return functools.partial(fn, is_causal=config.causal)
+
+
+def forward_backward(attention: Callable[..., jax.Array]) -> Callable[..., Any]:
+  """``fn(q, k, v, ct)``: gradients of ``sum(attention(q, k, v) * ct)`` w.r.t. q, k, v."""
+
+  def fn(query, key, value, cotangent):
+    _, pullback = jax.vjp(attention, query, key, value)
+    return pullback(cotangent)
+
+  return fn
+
+
+def batched_matmul(lhs: jax.Array, rhs: jax.Array) -> jax.Array:
+  """The matmul baseline: ``[G, T, H] x [G, H, D] -> [G, T, D]``."""
+  return jnp.einsum("bth,bhd->btd", lhs, rhs)
+
+
+def case_function(config: Config, case: Case, inputs: Inputs) -> tuple[Callable, tuple]:
+  """The function a case times and its arguments."""
+  if case.kind == "matmul":
+    return batched_matmul, (inputs.lhs, inputs.rhs)
+  attention = attention_function(config, case)
+  qkv = (inputs.query, inputs.key, inputs.value)
+  if case.mode == "forward":
+    return attention, qkv
+  return forward_backward(attention), qkv + (inputs.cotangent,)
+
+
+def attention_flops(batch: int, heads: int, length: int, key_length: int, head_dim: int,
+                    value_dim: int, *, mode: str, causal: bool) -> float:
+  """Useful floating-point operations of exact softmax attention.
+
+  Forward: the two matmuls ``Q Kᵀ`` (``2·T·S·H`` per head) and ``P V``
+  (``2·T·S·D``), i.e. ``4·B·N·T·S·H`` when D = H; halved when causal (about
+  half the scores are visible). ``backward`` (forward plus backward) adds the
+  four backward matmuls ``dV = Pᵀ dO``, ``dP = dO Vᵀ``, ``dQ = dS K``,
+  ``dK = dSᵀ Q``, twice the forward: 3x the forward in all. Work an
+  implementation chooses to redo (flash recomputes ``Q Kᵀ`` in its backward)
+  is not useful and not counted; softmax and other elementwise work is
+  ignored.
+  """
+  forward = 2.0 * batch * heads * length * key_length * (head_dim + value_dim)
+  if causal:
+    forward /= 2
+  return forward if mode == "forward" else 3.0 * forward
+
+
+def case_flops(config: Config, case: Case) -> float | None:
+  """Useful FLOPs of a case, or None when not known (inexact variants)."""
+  B, N, T = config.batch, config.heads, case.length
+  if case.kind == "matmul":
+    return 2.0 * B * N * T * config.head_dim * config.value_dim
+  if case.kind == "attention" and not linattn_jax.get_spec(case.variant).exact:
+    return None
+  return attention_flops(B, N, T, T, config.head_dim, config.value_dim,
+                         mode=case.mode, causal=config.causal)
+
+
+# ------------------------------------------------------------ measurement ---
+
+
+def physical_memory_bytes() -> int:
+  """Physical RAM of this machine."""
+  return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def compile_function(fn: Callable, args: Sequence[Any]) -> tuple[Any, float]:
+  """``jax.jit(fn)`` lowered and compiled for ``args``, and the seconds it took."""
+  start = time.perf_counter()
+  compiled = jax.jit(fn).lower(*args).compile()
+  return compiled, time.perf_counter() - start
+
+
+def memory_stats(compiled: Any) -> dict[str, int | None]:
+  """Compiled temp/argument/output bytes (None where the backend does not say)."""
+  try:
+    stats = compiled.memory_analysis()
+  except (NotImplementedError, RuntimeError):
+    stats = None
+  names = ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes")
+  return {name: getattr(stats, name, None) for name in names}
+
+
+def time_executable(compiled: Any, args: Sequence[Any], *, warmup: int,
+                    repeats: int) -> list[float]:
+  """Seconds of each of ``repeats`` calls, after ``warmup`` untimed ones."""
+  for _ in range(warmup):
+    jax.block_until_ready(compiled(*args))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(compiled(*args))
+    times.append(time.perf_counter() - start)
+  return times
+
+
+def measure(fn: Callable, args: Sequence[Any], config: Config) -> dict[str, Any]:
+  """Compiles ``fn``, records its memory, and times it unless it needs too much."""
+  compiled, compile_s = compile_function(fn, args)
+  memory = memory_stats(compiled)
+  record: dict[str, Any] = {"compile_s": compile_s, "memory": memory}
+  needed = sum(v for v in memory.values() if v is not None)
+  if needed > config.max_memory_fraction * physical_memory_bytes():
+    record["status"] = f"skipped: needs {needed / _GIB:.3g} GiB"
+    return record
+  times = time_executable(compiled, args, warmup=config.warmup, repeats=config.repeats)
+  record.update(status="ok", times_s=times, median_s=statistics.median(times),
+                min_s=min(times))
+  return record
+
+
+def run_case(config: Config, case: Case, inputs: Inputs) -> dict[str, Any]:
+  """The record of one case; failures are recorded, not raised."""
+  record: dict[str, Any] = {**case._asdict(), "key_length": case.length, "status": None}
+  if case.kind == "xla" and config.head_dim != config.value_dim:
+    record["status"] = "skipped: dot_product_attention needs value_dim == head_dim"
+    return record
+  try:
+    record.update(measure(*case_function(config, case, inputs), config))
+  except Exception as e:  # One failed case (e.g. out of memory) must not end the sweep.
+    first_line = next(iter(str(e).splitlines()), "")
+    record["status"] = f"error: {type(e).__name__}: {first_line[:200]}"
+  record["flops"] = case_flops(config, case)
+  if record["flops"] is not None and "median_s" in record:
+    record["gflops"] = record["flops"] / record["median_s"] / 1e9
+  return record
+
+
+def add_ratios(record: dict[str, Any], earlier: Sequence[dict[str, Any]]) -> None:
+  """Adds ``ratio_vs_xla`` and ``fraction_of_matmul_rate`` from same-length baselines."""
+  if record["kind"] == "matmul":
+    return
+  for base in earlier:
+    if base.get("status") != "ok" or base["length"] != record["length"]:
+      continue
+    if base["kind"] == "xla" and base["mode"] == record["mode"] and "median_s" in record:
+      record["ratio_vs_xla"] = record["median_s"] / base["median_s"]
+    if base["kind"] == "matmul" and "gflops" in record:
+      record["matmul_gflops"] = base["gflops"]
+      record["fraction_of_matmul_rate"] = record["gflops"] / base["gflops"]
+
+
+# ---------------------------------------------------------------- output ---
+
+_ROW_START = "{:>9} {:<10} {:<10} {:>6} {:<9}"
+_ROW_END = " {:>10} {:>7} {:>9} {:>9}  {}"
+
+
+def print_header() -> None:
+  """Prints the column titles of the progress table."""
+  start = _ROW_START.format("case", "variant", "impl", "T", "mode")
+  end = _ROW_END.format("median_ms", "x_xla", "GFLOP/s", "temp_MiB", "status")
+  print(start + end, flush=True)
+
+
+def print_row_start(index: int, total: int, case: Case) -> None:
+  """Prints the case's name before it runs (the line ends when it finishes)."""
+  print(_ROW_START.format(f"[{index}/{total}]", case.variant, case.implementation or "-",
+                          case.length, case.mode), end="", flush=True)
+
+
+def print_row_end(record: dict[str, Any]) -> None:
+  """Completes the case's table line with its results."""
+  temp = (record.get("memory") or {}).get("temp_size_in_bytes")
+  print(_ROW_END.format(
+      _format(record.get("median_s"), 1e3, ".3f"),
+      _format(record.get("ratio_vs_xla"), 1, ".2f"),
+      _format(record.get("gflops"), 1, ".1f"),
+      _format(temp, 1 / _MIB, ".1f"),
+      record["status"],
+  ), flush=True)
+
+
+def _format(value: float | None, factor: float, spec: str) -> str:
+  return "-" if value is None else format(value * factor, spec)
+
+
+def run_metadata(config: Config) -> dict[str, Any]:
+  """Versions, machine and configuration of this run."""
+  device = jax.devices()[0]
+  return {
+      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+      "jax_version": jax.__version__,
+      "linattn_jax_version": linattn_jax.__version__,
+      "backend": jax.default_backend(),
+      "device_kind": device.device_kind,
+      "device_count": jax.device_count(),
+      "cpu_count": os.cpu_count(),
+      "physical_memory_bytes": physical_memory_bytes(),
+      "config": dataclasses.asdict(config),
+  }
+
+
+def write_json(path: pathlib.Path, report: dict[str, Any]) -> None:
+  """Writes ``report`` to ``path`` (via a temporary file, so it is never half written)."""
+  tmp = path.with_suffix(".json.tmp")
+  tmp.write_text(json.dumps(report, indent=1))
+  tmp.replace(path)
+
+
+def _label(record: dict[str, Any]) -> str:
+  impl = record["implementation"]
+  return record["variant"] if impl is None else f"{record['variant']}/{impl}"
+
+
+def _series(records: Sequence[dict[str, Any]],
+            value: Callable[[dict], float | None]) -> dict[str, tuple[list, list]]:
+  """``{label: (lengths, values)}`` of the records whose value is positive."""
+  out: dict[str, tuple[list, list]] = {}
+  for record in records:
+    y = value(record)
+    if y is not None and y > 0:
+      xs, ys = out.setdefault(_label(record), ([], []))
+      xs.append(record["length"])
+      ys.append(y)
+  return out
+
+
+def _draw_log_log(ax: Any, series: Mapping[str, tuple[list, list]], ylabel: str,
+                  title: str) -> None:
+  """A line per series on log-log axes; the XLA baseline is black and dashed."""
+  for name, (xs, ys) in sorted(series.items()):
+    style = {"color": "black", "linestyle": "--"} if name.startswith(XLA_VARIANT) else {}
+    ax.plot(xs, ys, marker="o", label=name, **style)
+  ax.set_xscale("log", base=2)
+  ax.set_yscale("log")
+  ax.set_xlabel("sequence length T (= S)")
+  ax.set_ylabel(ylabel)
+  ax.set_title(title, fontsize="medium")
+  ax.grid(True, which="both", alpha=0.3)
+  if series:
+    ax.legend(fontsize="small")
+
+
+def write_plots(output_dir: pathlib.Path, records: Sequence[dict[str, Any]],
+                config: Config) -> list[pathlib.Path]:
+  """Writes ``time_<mode>.png`` and ``memory.png`` (a panel per mode); returns their paths."""
+  try:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    print("matplotlib is not installed: no plots written.", flush=True)
+    return []
+  shape = (f"B={config.batch} N={config.heads} K={config.kv_heads} H={config.head_dim} "
+           f"D={config.value_dim} {config.dtype} causal={config.causal}")
+  by_mode = {mode: [r for r in records if r["kind"] != "matmul" and r["mode"] == mode]
+             for mode in config.modes}
+  paths = []
+  for mode, cases in by_mode.items():
+    fig, ax = plt.subplots(figsize=(7, 5))
+    timed = [r for r in cases if r["status"] == "ok"]
+    _draw_log_log(ax, _series(timed, lambda r: r["median_s"]), "median time (s)",
+                  f"{mode}: {shape}")
+    paths.append(_save(plt, fig, output_dir / f"time_{mode}.png"))
+  fig, axes = plt.subplots(1, len(by_mode), figsize=(7 * len(by_mode), 5), squeeze=False)
+  for ax, (mode, cases) in zip(axes[0], by_mode.items(), strict=True):
+    temp = _series(cases, lambda r: (r.get("memory") or {}).get("temp_size_in_bytes"))
+    _draw_log_log(ax, temp, "compiled temp bytes", f"{mode} memory: {shape}")
+  paths.append(_save(plt, fig, output_dir / "memory.png"))
+  return paths
+
+
+def _save(plt: Any, fig: Any, path: pathlib.Path) -> pathlib.Path:
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return path
+
+
+# ------------------------------------------------------------------- main ---
+
+
+def run_benchmark(config: Config) -> dict[str, Any]:
+  """Runs every planned case, printing the table and writing the JSON; returns the report."""
+  output_dir = pathlib.Path(config.output_dir)
+  output_dir.mkdir(parents=True, exist_ok=True)
+  json_path = output_dir / "benchmark.json"
+  report: dict[str, Any] = {"metadata": run_metadata(config), "cases": []}
+  cases = plan_cases(config)
+  print_header()
+  numbered = enumerate(cases, start=1)
+  for length, group in itertools.groupby(numbered, key=lambda item: item[1].length):
+    inputs = make_inputs(config, length)
+    for index, case in group:
+      print_row_start(index, len(cases), case)
+      record = run_case(config, case, inputs)
+      add_ratios(record, report["cases"])
+      report["cases"].append(record)
+      print_row_end(record)
+      write_json(json_path, report)
+    del inputs
+    jax.clear_caches()
+  print(f"wrote {json_path}", flush=True)
+  if config.plot:
+    for path in write_plots(output_dir, report["cases"], config):
+      print(f"wrote {path}", flush=True)
+  return report
+
+
+def main(argv: Sequence[str]) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  run_benchmark(config_from_flags())
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,281 @@
+"""The shared suite (DESIGN.md §5), run over every registered attention.
+
+A variant joins by registering an ``AttentionSpec``; every implementation it
+lists is checked here against the spec's oracle:
+
+1. forward parity (odd lengths, T < S, T > S, GQA, MQA, D != H, padding);
+2. gradient parity, and a float64 finite-difference check;
+3. causality, by the Jacobian and by perturbing future tokens;
+4. jit == eager, no retrace on a second call, vmap, unbatched inputs;
+5. dtype round trip for bfloat16 / float16, finite on stress inputs;
+6. ValueErrors for bad shapes, dtypes, lengths and options.
+
+An unsupported causal mode is not skipped: the suite checks that it raises.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import jax.test_util
+import numpy as np
+import pytest
+from _helpers import (
+  GRAD_TOLERANCE,
+  SHAPES,
+  TINY,
+  Shape,
+  assert_close,
+  build,
+  case_id,
+  cotangent,
+  kv_lengths,
+  make_qkv,
+  spec_cases,
+)
+
+CASES = spec_cases()
+CAUSAL_CASES = [c for c in CASES if c[0].supports_causal]
+case_param = pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
+causal_case_param = pytest.mark.parametrize(
+    "case", CAUSAL_CASES, ids=[case_id(c) for c in CAUSAL_CASES])
+causal_param = pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+
+
+def _supported(spec, is_causal: bool) -> bool:
+  return spec.supports_causal if is_causal else spec.supports_noncausal
+
+
+def _call(fn, q, k, v, is_causal, lengths=None):
+  return fn(q, k, v, is_causal=is_causal, key_value_seq_lengths=lengths)
+
+
+def _check_or_expect_error(spec, fast, q, k, v, is_causal) -> bool:
+  """False (after checking the ValueError) when the mode is unsupported."""
+  if _supported(spec, is_causal):
+    return True
+  with pytest.raises(ValueError, match="is_causal"):
+    _call(fast, q, k, v, is_causal)
+  return False
+
+
+# 1. Forward parity ---------------------------------------------------------
+
+
+@case_param
+@causal_param
+@pytest.mark.parametrize("padded", [False, True], ids=["dense", "padded"])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_forward_matches_reference(case, is_causal, padded, shape):
+  spec, impl = case
+  fast, ref = build(spec, impl)
+  q, k, v = make_qkv(shape)
+  if not _check_or_expect_error(spec, fast, q, k, v, is_causal):
+    return
+  lengths = kv_lengths(shape) if padded else None
+  got = jax.jit(functools.partial(_call, fast, is_causal=is_causal))(q, k, v, lengths=lengths)
+  want = _call(ref, q, k, v, is_causal, lengths)
+  assert got.shape == (shape.B, shape.T, shape.N, shape.D)
+  assert got.dtype == q.dtype
+  assert_close(got, want, q.dtype)
+
+
+# 2. Gradients --------------------------------------------------------------
+
+
+def _loss(fn, is_causal, lengths, ct):
+  def loss(q, k, v):
+    out = _call(fn, q, k, v, is_causal, lengths)
+    return jnp.sum(out.astype(jnp.float32) * ct.astype(jnp.float32))
+  return loss
+
+
+@case_param
+@causal_param
+@pytest.mark.parametrize("shape", SHAPES[:2], ids=str)
+def test_gradient_matches_reference(case, is_causal, shape):
+  spec, impl = case
+  fast, ref = build(spec, impl)
+  q, k, v = make_qkv(shape)
+  if not _check_or_expect_error(spec, fast, q, k, v, is_causal):
+    return
+  lengths = kv_lengths(shape)
+  ct = cotangent(_call(ref, q, k, v, is_causal, lengths))
+  got = jax.jit(jax.grad(_loss(fast, is_causal, lengths, ct), argnums=(0, 1, 2)))(q, k, v)
+  want = jax.grad(_loss(ref, is_causal, lengths, ct), argnums=(0, 1, 2))(q, k, v)
+  for name, g, w in zip("qkv", got, want, strict=True):
+    assert g.dtype == q.dtype
+    assert_close(g, w, q.dtype, GRAD_TOLERANCE, err_msg=f"d{name}")
+
+
+@case_param
+@causal_param
+@pytest.mark.parametrize("padded", [False, True], ids=["dense", "padded"])
+def test_gradient_finite_differences_float64(case, is_causal, padded):
+  spec, impl = case
+  with jax.enable_x64(True):
+    fast, _ = build(spec, impl)
+    q, k, v = make_qkv(TINY, jnp.float64)
+    if not _check_or_expect_error(spec, fast, q, k, v, is_causal):
+      return
+    lengths = jnp.asarray([3], jnp.int32) if padded else None
+    f = functools.partial(_call, fast, is_causal=is_causal, lengths=lengths)
+    # 1e-3, not tighter: the "xla" path (jax.nn) takes its softmax in float32
+    # even for float64 inputs. A wrong gradient is off by far more.
+    jax.test_util.check_grads(f, (q, k, v), order=1, modes=("rev",), atol=1e-3, rtol=1e-3)
+
+
+# 3. Causality --------------------------------------------------------------
+
+CAUSAL_SHAPES = (Shape(B=1, T=11, S=11, N=4, K=2, H=4, D=3),
+                 Shape(B=1, T=6, S=11, N=2, K=1, H=4, D=3))
+
+
+@causal_case_param
+@pytest.mark.parametrize("shape", CAUSAL_SHAPES, ids=str)
+def test_causal_jacobian_has_no_future_dependence(case, shape):
+  spec, impl = case
+  fast, _ = build(spec, impl)
+  q, k, v = make_qkv(shape)
+  jac = jax.jacrev(functools.partial(_call, fast, is_causal=True), argnums=(0, 1, 2))(q, k, v)
+  # dependence[t, j]: does any output entry at t depend on input position j?
+  dep = [np.asarray(jnp.abs(j).sum(axis=(0, 2, 3, 4, 6, 7))) for j in jac]
+  t = np.arange(shape.T)[:, None]
+  future = np.arange(shape.S)[None, :] > t + shape.S - shape.T
+  other_queries = np.arange(shape.T)[None, :] != t
+  assert np.all(dep[1][future] == 0) and np.all(dep[2][future] == 0), "depends on future keys"
+  assert np.all(dep[0][other_queries] == 0), "depends on other queries"
+  assert np.any(dep[2][~future] > 0), "vacuous: no dependence on visible values"
+
+
+@causal_case_param
+@pytest.mark.parametrize("shape", CAUSAL_SHAPES, ids=str)
+@pytest.mark.parametrize("factor", [30.0, -30.0, 1e4])
+def test_causal_future_perturbation_leaves_past_unchanged(case, shape, factor):
+  spec, impl = case
+  fast, _ = build(spec, impl)
+  fn = jax.jit(functools.partial(_call, fast, is_causal=True))
+  q, k, v = make_qkv(shape)
+  base = fn(q, k, v)
+  offset = shape.S - shape.T
+  for t0 in range(max(0, -offset), shape.T - 1, 2):
+    cut = t0 + 1 + offset  # first key position in query t0's future.
+    k2 = k.at[:, cut:].multiply(factor)
+    v2 = v.at[:, cut:].multiply(factor)
+    q2 = q.at[:, t0 + 1:].multiply(factor)
+    out = fn(q2, k2, v2)
+    past = np.asarray(out[:, : t0 + 1])
+    assert np.all(np.isfinite(past)), f"non-finite past output (t0={t0})"
+    np.testing.assert_allclose(past, np.asarray(base[:, : t0 + 1]), rtol=1e-6, atol=1e-6,
+                               err_msg=f"past changed when perturbing after t0={t0}")
+
+
+# 4. Transformations --------------------------------------------------------
+
+
+@case_param
+@causal_param
+def test_jit_equals_eager_and_does_not_retrace(case, is_causal):
+  spec, impl = case
+  fast, _ = build(spec, impl)
+  shape = SHAPES[0]
+  q, k, v = make_qkv(shape)
+  if not _check_or_expect_error(spec, fast, q, k, v, is_causal):
+    return
+  lengths = kv_lengths(shape)
+  traces = []
+
+  def traced(q, k, v, lengths):
+    traces.append(None)
+    return _call(fast, q, k, v, is_causal, lengths)
+
+  jitted = jax.jit(traced)
+  out_jit = jitted(q, k, v, lengths)
+  out_eager = _call(fast, q, k, v, is_causal, lengths)
+  np.testing.assert_allclose(out_jit, out_eager, rtol=1e-5, atol=1e-6)
+  q2, k2, v2 = make_qkv(shape, seed=5)
+  jitted(q2, k2, v2, lengths + 0).block_until_ready()
+  assert len(traces) == 1, "second call with the same shapes retraced"
+
+
+@case_param
+def test_vmap_and_unbatched(case):
+  spec, impl = case
+  fast, _ = build(spec, impl)
+  is_causal = spec.supports_causal
+  shape = SHAPES[0]
+  q, k, v = make_qkv(shape)
+  lengths = kv_lengths(shape)
+  batched = _call(fast, q, k, v, is_causal, lengths)
+  one = _call(fast, q[1], k[1], v[1], is_causal, lengths[1])
+  np.testing.assert_allclose(one, batched[1], rtol=1e-5, atol=1e-6)
+  # vmap over an extra leading axis (two independent batches).
+  stack = lambda x: jnp.stack([x, x[::-1]])  # noqa: E731
+  mapped = jax.vmap(lambda q, k, v, n: _call(fast, q, k, v, is_causal, n))(
+      stack(q), stack(k), stack(v), stack(lengths))
+  np.testing.assert_allclose(mapped[0], batched, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(
+      mapped[1], _call(fast, q[::-1], k[::-1], v[::-1], is_causal, lengths[::-1]),
+      rtol=1e-5, atol=1e-6)
+
+
+# 5. Low precision -----------------------------------------------------------
+
+
+@case_param
+@causal_param
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("amplitude", [1.0, 30.0])
+def test_low_precision_round_trip(case, is_causal, dtype, amplitude):
+  spec, impl = case
+  fast, ref = build(spec, impl)
+  shape = SHAPES[0]
+  q, k, v = make_qkv(shape, dtype, amplitude=amplitude)
+  if not _check_or_expect_error(spec, fast, q, k, v, is_causal):
+    return
+  lengths = kv_lengths(shape)
+  out = jax.jit(functools.partial(_call, fast, is_causal=is_causal))(q, k, v, lengths=lengths)
+  assert out.dtype == dtype
+  assert np.all(np.isfinite(np.asarray(out, np.float32)))
+  want = _call(ref, *(x.astype(jnp.float32) for x in (q, k, v)), is_causal, lengths)
+  scale = max(1.0, amplitude)
+  atol, rtol = {jnp.bfloat16: (3e-2, 3e-2), jnp.float16: (4e-3, 4e-3)}[dtype]
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want),
+                             atol=atol * scale, rtol=rtol)
+  grads = jax.grad(_loss(fast, is_causal, lengths, cotangent(out)), argnums=(0, 1, 2))(q, k, v)
+  for g in grads:
+    assert g.dtype == dtype
+    assert np.all(np.isfinite(np.asarray(g, np.float32)))
+
+
+# 6. Errors -------------------------------------------------------------------
+
+
+@case_param
+def test_bad_inputs_raise_value_errors_naming_shapes(case):
+  spec, impl = case
+  fast, _ = build(spec, impl)
+  is_causal = spec.supports_causal
+  q, k, v = make_qkv(Shape(B=2, T=5, S=6, N=4, K=2, H=8, D=3))
+
+  def raises(match, *args, **kw):
+    with pytest.raises(ValueError, match=match):
+      _call(fast, *args, is_causal=is_causal, **kw)
+
+  raises("rank", q[0, 0], k, v)
+  raises("rank", q[None], k, v)
+  raises(r"multiple of.*K=2", q[:, :, :3], k, v)
+  raises(r"batch sizes differ.*\(2, 5, 4, 8\)", q, k[:1], v[:1])
+  raises(r"lengths differ.*\(2, 6, 2, 8\)", q, k, v[:, :5])
+  raises(r"head counts differ", q, k, v[:, :, :1])
+  raises(r"head dims differ", q, k[..., :4], v)
+  raises(r"dtype", q, k.astype(jnp.bfloat16), v)
+  raises(r"key_value_seq_lengths.*shape", q, k, v, lengths=jnp.array([1, 2, 3]))
+  raises(r"key_value_seq_lengths.*integers", q, k, v, lengths=jnp.array([1.0, 2.0]))
+  with pytest.raises(ValueError, match="unknown"):
+    options = {**spec.test_options, "implementation": "no-such-implementation"}
+    _call(spec.build(**options), q, k, v, is_causal)
+  with pytest.raises(ValueError, match="unknown option"):
+    spec.build(no_such_option=1)
