@@ -9,6 +9,7 @@ from linattn_jax._src.flash import flash_attention
 from linattn_jax._src.registry import (
     AttentionFn,
     AttentionSpec,
+    StreamingSpec,
     available_attentions,
     get_attention,
     get_spec,
@@ -29,4 +30,5 @@ __all__ = [
     "register_attention",
     "softmax_attention",
     "softmax_attention_reference",
+    "StreamingSpec",
 ]

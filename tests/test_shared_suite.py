@@ -6,6 +6,8 @@ lists is checked here against the spec's oracle:
 1. forward parity (odd lengths, T < S, T > S, GQA, MQA, D != H, padding);
 2. gradient parity, and a float64 finite-difference check;
 3. causality, by the Jacobian and by perturbing future tokens;
+   streaming: scanning the one-token step equals the causal pass, and
+   splitting a sequence anywhere and carrying the state equals one pass;
 4. jit == eager, no retrace on a second call, vmap, unbatched inputs;
 5. dtype round trip for bfloat16 / float16, finite on stress inputs;
 6. ValueErrors for bad shapes, dtypes, lengths and options.
@@ -16,6 +18,7 @@ An unsupported causal mode is not skipped: the suite checks that it raises.
 from __future__ import annotations
 
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +44,9 @@ CAUSAL_CASES = [c for c in CASES if c[0].supports_causal]
 case_param = pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
 causal_case_param = pytest.mark.parametrize(
     "case", CAUSAL_CASES, ids=[case_id(c) for c in CAUSAL_CASES])
+STREAM_CASES = [c for c in CASES if c[0].streaming is not None]
+stream_case_param = pytest.mark.parametrize(
+    "case", STREAM_CASES, ids=[case_id(c) for c in STREAM_CASES])
 causal_param = pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 
 
@@ -170,6 +176,48 @@ def test_causal_future_perturbation_leaves_past_unchanged(case, shape, factor):
     assert np.all(np.isfinite(past)), f"non-finite past output (t0={t0})"
     np.testing.assert_allclose(past, np.asarray(base[:, : t0 + 1]), rtol=1e-6, atol=1e-6,
                                err_msg=f"past changed when perturbing after t0={t0}")
+
+
+# Streaming -----------------------------------------------------------------
+
+
+def _accepted(fn, options):
+  """The entries of ``options`` that ``fn`` takes as keywords."""
+  names = inspect.signature(fn).parameters
+  return {k: v for k, v in options.items() if k in names}
+
+
+@stream_case_param
+def test_streaming_step_equals_causal_pass(case):
+  spec, impl = case
+  fast, _ = build(spec, impl)
+  stream = spec.streaming
+  shape = SHAPES[0]  # T == S.
+  q, k, v = make_qkv(shape)
+  state = stream.init(q, k, v, **_accepted(stream.init, spec.test_options))
+
+  def one_token(state, qkv):
+    return stream.step(state, *qkv, **_accepted(stream.step, spec.test_options))
+
+  time_major = tuple(x.swapaxes(0, 1) for x in (q, k, v))
+  _, outs = jax.lax.scan(one_token, state, time_major)
+  assert_close(outs.swapaxes(0, 1), _call(fast, q, k, v, True), q.dtype)
+
+
+@stream_case_param
+@pytest.mark.parametrize("split", [1, 6, 12])
+def test_state_passing_split_equals_one_pass(case, split):
+  spec, impl = case
+  if not spec.streaming.state_passing:
+    pytest.skip(f"{spec.name} streams only through its step function")
+  fast, _ = build(spec, impl)
+  q, k, v = make_qkv(SHAPES[0])
+  whole = _call(fast, q, k, v, True)
+  head = lambda x: x[:, :split]  # noqa: E731
+  tail = lambda x: x[:, split:]  # noqa: E731
+  out1, state = fast(head(q), head(k), head(v), is_causal=True, return_state=True)
+  out2 = fast(tail(q), tail(k), tail(v), is_causal=True, initial_state=state)
+  assert_close(jnp.concatenate([out1, out2], axis=1), whole, q.dtype)
 
 
 # 4. Transformations --------------------------------------------------------

@@ -28,6 +28,28 @@ class AttentionFn(Protocol):
 
 
 @dataclasses.dataclass(frozen=True)
+class StreamingSpec:
+  """How a variant runs one token at a time (causal decoding).
+
+  Attributes:
+    init: ``init(query, key, value, **options) -> state``: an empty state for
+      arrays shaped like these ``[B, T, N, H]`` / ``[B, S, K, H]`` /
+      ``[B, S, K, D]`` inputs.
+    step: ``step(state, query, key, value, **options) -> (state, out)`` for one
+      token: ``[B, N, H]``, ``[B, K, H]``, ``[B, K, D]`` in, ``[B, N, D]`` out.
+    state_passing: whether the public function takes ``initial_state=`` and
+      ``return_state=True`` (then splitting a sequence anywhere and carrying
+      the state must equal one pass).
+
+  Options are filtered by name to those ``init`` / ``step`` accept.
+  """
+
+  init: Callable[..., Any]
+  step: Callable[..., Any]
+  state_passing: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
 class AttentionSpec:
   """One registered variant.
 
@@ -44,8 +66,7 @@ class AttentionSpec:
       small blocks, so that several blocks and a partial one are exercised).
     supports_causal: whether ``is_causal=True`` is supported.
     supports_noncausal: whether ``is_causal=False`` is supported.
-    exact: whether the variant equals softmax attention (the suite then also
-      checks it against ``softmax_attention_reference``).
+    streaming: how to run it token by token, or None.
   """
 
   name: str
@@ -56,7 +77,7 @@ class AttentionSpec:
   test_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   supports_causal: bool = True
   supports_noncausal: bool = True
-  exact: bool = False
+  streaming: StreamingSpec | None = None
 
   def build(self, **options: Any) -> AttentionFn:
     """The function with ``options`` bound, after checking their names."""
