@@ -95,10 +95,6 @@ def case_id(case) -> str:
   return spec.name if impl is None else f"{spec.name}-{impl}"
 
 
-def causal_modes(spec) -> list[bool]:
-  return [c for c, ok in ((False, spec.supports_noncausal), (True, spec.supports_causal)) if ok]
-
-
 def build(spec, impl, **options):
   """(fast, oracle) for one spec/implementation with the suite's options."""
   options = {**spec.test_options, **options}

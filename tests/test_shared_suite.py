@@ -40,27 +40,23 @@ from _helpers import (
 )
 
 CASES = spec_cases()
-CAUSAL_CASES = [c for c in CASES if c[0].supports_causal]
+CAUSAL_CASES = [c for c in CASES if c[0].supports(c[1], True)]
 case_param = pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
 causal_case_param = pytest.mark.parametrize(
     "case", CAUSAL_CASES, ids=[case_id(c) for c in CAUSAL_CASES])
-STREAM_CASES = [c for c in CASES if c[0].streaming is not None]
+STREAM_CASES = [c for c in CAUSAL_CASES if c[0].streaming is not None]
 stream_case_param = pytest.mark.parametrize(
     "case", STREAM_CASES, ids=[case_id(c) for c in STREAM_CASES])
 causal_param = pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
-
-
-def _supported(spec, is_causal: bool) -> bool:
-  return spec.supports_causal if is_causal else spec.supports_noncausal
 
 
 def _call(fn, q, k, v, is_causal, lengths=None):
   return fn(q, k, v, is_causal=is_causal, key_value_seq_lengths=lengths)
 
 
-def _check_or_expect_error(spec, fast, q, k, v, is_causal) -> bool:
+def _check_or_expect_error(spec, impl, fast, q, k, v, is_causal) -> bool:
   """False (after checking the ValueError) when the mode is unsupported."""
-  if _supported(spec, is_causal):
+  if spec.supports(impl, is_causal):
     return True
   with pytest.raises(ValueError, match="is_causal"):
     _call(fast, q, k, v, is_causal)
@@ -78,7 +74,7 @@ def test_forward_matches_reference(case, is_causal, padded, shape):
   spec, impl = case
   fast, ref = build(spec, impl)
   q, k, v = make_qkv(shape)
-  if not _check_or_expect_error(spec, fast, q, k, v, is_causal):
+  if not _check_or_expect_error(spec, impl, fast, q, k, v, is_causal):
     return
   lengths = kv_lengths(shape) if padded else None
   got = jax.jit(functools.partial(_call, fast, is_causal=is_causal))(q, k, v, lengths=lengths)
@@ -105,7 +101,7 @@ def test_gradient_matches_reference(case, is_causal, shape):
   spec, impl = case
   fast, ref = build(spec, impl)
   q, k, v = make_qkv(shape)
-  if not _check_or_expect_error(spec, fast, q, k, v, is_causal):
+  if not _check_or_expect_error(spec, impl, fast, q, k, v, is_causal):
     return
   lengths = kv_lengths(shape)
   ct = cotangent(_call(ref, q, k, v, is_causal, lengths))
@@ -124,7 +120,7 @@ def test_gradient_finite_differences_float64(case, is_causal, padded):
   with jax.enable_x64(True):
     fast, _ = build(spec, impl)
     q, k, v = make_qkv(TINY, jnp.float64)
-    if not _check_or_expect_error(spec, fast, q, k, v, is_causal):
+    if not _check_or_expect_error(spec, impl, fast, q, k, v, is_causal):
       return
     lengths = jnp.asarray([3], jnp.int32) if padded else None
     f = functools.partial(_call, fast, is_causal=is_causal, lengths=lengths)
@@ -230,7 +226,7 @@ def test_jit_equals_eager_and_does_not_retrace(case, is_causal):
   fast, _ = build(spec, impl)
   shape = SHAPES[0]
   q, k, v = make_qkv(shape)
-  if not _check_or_expect_error(spec, fast, q, k, v, is_causal):
+  if not _check_or_expect_error(spec, impl, fast, q, k, v, is_causal):
     return
   lengths = kv_lengths(shape)
   traces = []
@@ -252,7 +248,7 @@ def test_jit_equals_eager_and_does_not_retrace(case, is_causal):
 def test_vmap_and_unbatched(case):
   spec, impl = case
   fast, _ = build(spec, impl)
-  is_causal = spec.supports_causal
+  is_causal = spec.supports(impl, True)
   shape = SHAPES[0]
   q, k, v = make_qkv(shape)
   lengths = kv_lengths(shape)
@@ -281,7 +277,7 @@ def test_low_precision_round_trip(case, is_causal, dtype, amplitude):
   fast, ref = build(spec, impl)
   shape = SHAPES[0]
   q, k, v = make_qkv(shape, dtype, amplitude=amplitude)
-  if not _check_or_expect_error(spec, fast, q, k, v, is_causal):
+  if not _check_or_expect_error(spec, impl, fast, q, k, v, is_causal):
     return
   lengths = kv_lengths(shape)
   out = jax.jit(functools.partial(_call, fast, is_causal=is_causal))(q, k, v, lengths=lengths)
@@ -305,7 +301,7 @@ def test_low_precision_round_trip(case, is_causal, dtype, amplitude):
 def test_bad_inputs_raise_value_errors_naming_shapes(case):
   spec, impl = case
   fast, _ = build(spec, impl)
-  is_causal = spec.supports_causal
+  is_causal = spec.supports(impl, True)
   q, k, v = make_qkv(Shape(B=2, T=5, S=6, N=4, K=2, H=8, D=3))
 
   def raises(match, *args, **kw):

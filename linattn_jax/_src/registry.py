@@ -66,6 +66,9 @@ class AttentionSpec:
       small blocks, so that several blocks and a partial one are exercised).
     supports_causal: whether ``is_causal=True`` is supported.
     supports_noncausal: whether ``is_causal=False`` is supported.
+    noncausal_only: implementations that support only ``is_causal=False``
+      (e.g. a "parallel" summary form); with ``is_causal=True`` they must
+      raise ValueError, and the shared suite checks that they do.
     streaming: how to run it token by token, or None.
   """
 
@@ -77,7 +80,14 @@ class AttentionSpec:
   test_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   supports_causal: bool = True
   supports_noncausal: bool = True
+  noncausal_only: frozenset[str] = frozenset()
   streaming: StreamingSpec | None = None
+
+  def supports(self, implementation: str | None, is_causal: bool) -> bool:
+    """Whether ``implementation`` supports this causal mode."""
+    if is_causal:
+      return self.supports_causal and implementation not in self.noncausal_only
+    return self.supports_noncausal
 
   def build(self, **options: Any) -> AttentionFn:
     """The function with ``options`` bound, after checking their names."""
