@@ -1,0 +1,43 @@
+"""The registry: names, option checking and the uniform signature."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from _helpers import SHAPES, make_qkv
+
+import linattn_jax as la
+
+
+def test_foundation_variants_are_registered():
+  assert {"softmax", "flash"} <= set(la.available_attentions())
+  assert la.available_attentions() == sorted(la.available_attentions())
+
+
+def test_get_attention_binds_options_and_has_the_uniform_signature():
+  q, k, v = make_qkv(SHAPES[0])
+  attn = la.get_attention("flash", block_q=4, block_k=8)
+  got = attn(q, k, v, is_causal=True, key_value_seq_lengths=None)
+  want = la.softmax_attention_reference(q, k, v, is_causal=True)
+  np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_unknown_names_and_options_raise():
+  with pytest.raises(ValueError, match=r"unknown attention 'nope'; available: \["):
+    la.get_attention("nope")
+  with pytest.raises(ValueError, match=r"unknown option `block_size`; options are \["):
+    la.get_attention("flash", block_size=3)
+  with pytest.raises(ValueError, match="`is_causal` is passed at call time"):
+    la.get_attention("softmax", is_causal=True)
+
+
+def test_reference_drops_only_how_options():
+  spec = la.get_spec("flash")
+  ref = spec.build_reference(block_q=2, scale=0.5)
+  q, k, v = make_qkv(SHAPES[0])
+  np.testing.assert_allclose(ref(q, k, v), la.softmax_attention_reference(q, k, v, scale=0.5))
+
+
+def test_names_register_once():
+  with pytest.raises(ValueError, match="already registered"):
+    la.register_attention(la.get_spec("softmax"))

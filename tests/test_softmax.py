@@ -1,0 +1,217 @@
+"""Softmax-specific checks beyond the shared suite: bias, mask, alignment,
+fully masked rows, dispatch, and the flash path's O(T) structure."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _helpers import Shape, assert_close, make_qkv
+
+import linattn_jax as la
+from linattn_jax._src import softmax as softmax_module
+
+
+def numpy_attention(q, k, v, *, scale, bias=None, mask=None, causal=False,
+                    q_len=None, kv_len=None):
+  """Loop-per-row float64 oracle, independent of the library's mask code."""
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  B, T, N, H = q.shape
+  _, S, K, D = v.shape
+  out = np.zeros((B, T, N, D))
+  for b in range(B):
+    for n in range(N):
+      for t in range(T):
+        visible = [s for s in range(S)
+                   if (not causal or s <= t + S - T)
+                   and (kv_len is None or s < kv_len[b])
+                   and (q_len is None or t < q_len[b])
+                   and (mask is None or mask[b, n, t, s])]
+        if not visible:
+          continue
+        logits = np.array([q[b, t, n] @ k[b, s, n // (N // K)] * scale
+                           + (0.0 if bias is None else bias[b, n, t, s]) for s in visible])
+        w = np.exp(logits - logits.max())
+        w /= w.sum()
+        out[b, t, n] = sum(wi * v[b, s, n // (N // K)] for wi, s in zip(w, visible, strict=True))
+  return out
+
+
+SHAPE = Shape(B=2, T=5, S=7, N=4, K=2, H=3, D=2)
+IMPLS = ["reference", "xla"]
+
+
+def _bias_mask(shape, seed=3):
+  rng = np.random.default_rng(seed)
+  bias = rng.standard_normal((shape.B, shape.N, shape.T, shape.S))
+  mask = rng.random((shape.B, shape.N, shape.T, shape.S)) > 0.3
+  mask[0, 1, 2] = False  # A fully masked row.
+  return jnp.asarray(bias, jnp.float32), jnp.asarray(mask)
+
+
+@pytest.mark.parametrize("implementation", IMPLS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_bias_mask_causal_lengths_against_numpy_loops(implementation, causal):
+  q, k, v = make_qkv(SHAPE)
+  bias, mask = _bias_mask(SHAPE)
+  q_len, kv_len = np.array([5, 3]), np.array([6, 7])
+  got = la.softmax_attention(
+      q, k, v, bias=bias, mask=mask, is_causal=causal, query_seq_lengths=jnp.asarray(q_len),
+      key_value_seq_lengths=jnp.asarray(kv_len), implementation=implementation)
+  want = numpy_attention(q, k, v, scale=1 / np.sqrt(SHAPE.H), bias=np.asarray(bias),
+                         mask=np.asarray(mask), causal=causal, q_len=q_len, kv_len=kv_len)
+  np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+  assert np.all(np.asarray(got)[0, 2, 1] == 0), "fully masked row must be zeros"
+
+
+@pytest.mark.parametrize("implementation", ["reference", "xla", "flash"])
+@pytest.mark.parametrize("T,S", [(2, 5), (5, 2), (4, 4)])
+def test_causal_alignment_is_bottom_right(implementation, T, S):
+  shape = Shape(B=1, T=T, S=S, N=2, K=1, H=4, D=3)
+  q, k, v = make_qkv(shape)
+  got = la.softmax_attention(q, k, v, is_causal=True, implementation=implementation)
+  want = numpy_attention(q, k, v, scale=0.5, causal=True)
+  np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+  # T > S: the first T - S queries see no key and are exactly zero.
+  assert np.all(np.asarray(got)[:, : max(0, T - S)] == 0)
+
+
+def test_reference_equals_jax_nn():
+  shape = Shape(B=2, T=9, S=9, N=4, K=2, H=8, D=8)
+  q, k, v = make_qkv(shape)
+  for causal in (False, True):
+    want = jax.nn.dot_product_attention(q, k, v, is_causal=causal)
+    assert_close(la.softmax_attention_reference(q, k, v, is_causal=causal), want, jnp.float32)
+
+
+def test_bias_gradient_matches_reference():
+  q, k, v = make_qkv(SHAPE)
+  bias, mask = _bias_mask(SHAPE)
+
+  def loss(bias, implementation):
+    out = la.softmax_attention(q, k, v, bias=bias, mask=mask, implementation=implementation)
+    return jnp.sum(out * jnp.arange(SHAPE.D))
+
+  got = jax.grad(loss)(bias, "xla")
+  want = jax.grad(loss)(bias, "reference")
+  np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+  assert np.all(np.asarray(got)[0, 1, 2] == 0)
+
+
+@pytest.mark.parametrize("implementation", ["reference", "xla", "flash"])
+def test_rows_without_keys_are_zero_with_finite_gradients(implementation):
+  q, k, v = make_qkv(SHAPE)
+  q_len, kv_len = jnp.array([2, 5]), jnp.array([0, 4])  # Batch 0 sees no key at all.
+
+  def f(q, k, v):
+    return la.softmax_attention(q, k, v, query_seq_lengths=q_len, key_value_seq_lengths=kv_len,
+                                implementation=implementation)
+
+  out = np.asarray(f(q, k, v))
+  assert np.all(out[0] == 0) and np.all(out[1, 5:] == 0)
+  assert np.any(out[1, :5] != 0)
+  grads = jax.grad(lambda *a: jnp.sum(f(*a) ** 2), argnums=(0, 1, 2))(q, k, v)
+  for g in grads:
+    assert np.all(np.isfinite(np.asarray(g)))
+  assert np.all(np.asarray(grads[2])[0] == 0)  # No gradient flows to unseen values.
+
+
+def test_flash_rejects_dense_bias_and_mask():
+  q, k, v = make_qkv(SHAPE)
+  bias, mask = _bias_mask(SHAPE)
+  with pytest.raises(ValueError, match=r"'flash' does not support `bias`"):
+    la.softmax_attention(q, k, v, bias=bias, implementation="flash")
+  with pytest.raises(ValueError, match=r"'flash' does not support `mask`"):
+    la.softmax_attention(q, k, v, mask=mask, implementation="flash")
+
+
+def test_bias_and_mask_shape_errors():
+  q, k, v = make_qkv(SHAPE)
+  with pytest.raises(ValueError, match=r"bias of shape \(3, 5, 7\) does not broadcast"):
+    la.softmax_attention(q, k, v, bias=jnp.zeros((3, 5, 7)))
+  with pytest.raises(ValueError, match="mask must be boolean"):
+    la.softmax_attention(q, k, v, mask=jnp.ones((5, 7)))
+  with pytest.raises(ValueError, match="unknown implementation"):
+    la.softmax_attention(q, k, v, implementation="cudnn")
+  # Broadcastable shapes are accepted: per-key bias, per-(T, S) mask.
+  la.softmax_attention(q, k, v, bias=jnp.zeros((7,)), mask=jnp.ones((5, 7), bool))
+
+
+def test_unbatched_inputs_and_lengths():
+  q, k, v = make_qkv(SHAPE)
+  batched = la.softmax_attention(q, k, v, key_value_seq_lengths=jnp.array([3, 4]))
+  single = la.softmax_attention(q[1], k[1], v[1], key_value_seq_lengths=jnp.array(4))
+  np.testing.assert_allclose(single, batched[1], atol=1e-6)
+  with pytest.raises(ValueError, match=r"key_value_seq_lengths must have shape \(\)"):
+    la.softmax_attention(q[1], k[1], v[1], key_value_seq_lengths=jnp.array([4]))
+
+
+def _primitives(jaxpr) -> set[str]:
+  names = set()
+  for eqn in jaxpr.eqns:
+    names.add(eqn.primitive.name)
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      names |= _primitives(sub)
+  return names
+
+
+def test_default_implementation_switches_to_flash_for_long_inputs(monkeypatch):
+  q, k, v = make_qkv(SHAPE)
+  bias, _ = _bias_mask(SHAPE)
+
+  def uses_flash(**options):  # A fresh function each time: no trace cache.
+    jaxpr = jax.make_jaxpr(lambda q, k, v: la.softmax_attention(q, k, v, **options))(q, k, v)
+    return "custom_vjp_call" in _primitives(jaxpr.jaxpr)
+
+  assert not uses_flash()
+  monkeypatch.setattr(softmax_module, "FLASH_THRESHOLD_ELEMENTS", 0)
+  assert uses_flash()
+  assert not uses_flash(bias=bias)  # A dense bias keeps the XLA path.
+
+
+def _largest_intermediate(jaxpr) -> int:
+  size = 0
+  for eqn in jaxpr.eqns:
+    for var in eqn.outvars:
+      size = max(size, int(np.prod(var.aval.shape)) if var.aval.shape else 1)
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      size = max(size, _largest_intermediate(sub))
+  return size
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_never_forms_a_t_by_s_array(causal):
+  shape = Shape(B=1, T=256, S=256, N=2, K=1, H=8, D=8)
+  q, k, v = make_qkv(shape)
+
+  def loss(q, k, v):
+    out = la.flash_attention(q, k, v, is_causal=causal, block_q=32, block_k=32)
+    return jnp.sum(out ** 2)
+
+  jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v).jaxpr
+  biggest = _largest_intermediate(jaxpr)
+  assert biggest < shape.T * shape.S, f"an intermediate has {biggest} elements"
+  dense = jax.make_jaxpr(functools.partial(la.softmax_attention, implementation="xla"))(q, k, v)
+  assert _largest_intermediate(dense.jaxpr) >= shape.N * shape.T * shape.S  # The check can fail.
+
+
+@pytest.mark.parametrize("block_q,block_k", [(1, 3), (64, 64), (5, 2)])
+def test_flash_block_sizes_do_not_change_the_result(block_q, block_k):
+  shape = Shape(B=2, T=11, S=13, N=2, K=2, H=4, D=3)
+  q, k, v = make_qkv(shape)
+  lengths = jnp.array([13, 6])
+  want = la.softmax_attention_reference(q, k, v, is_causal=True, key_value_seq_lengths=lengths)
+  got = la.flash_attention(q, k, v, is_causal=True, key_value_seq_lengths=lengths,
+                           block_q=block_q, block_k=block_k)
+  assert_close(got, want, jnp.float32)
+
+
+@pytest.mark.parametrize("bad", [0, -4, 2.5, True, None])
+def test_flash_rejects_bad_block_sizes(bad):
+  q, k, v = make_qkv(SHAPE)
+  with pytest.raises(ValueError, match="block_q must be a positive int"):
+    la.flash_attention(q, k, v, block_q=bad)
