@@ -1,0 +1,25 @@
+"""The README stays true: CI runs its test command; its quick start runs."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def _blocks(language: str) -> list[str]:
+  return re.findall(rf"```{language}\n(.*?)```", README, flags=re.S)
+
+
+def test_ci_runs_the_readme_test_command():
+  test_command = _blocks("bash")[1].strip()
+  ci_lines = (ROOT / ".ci" / "run").read_text().splitlines()
+  assert test_command in ci_lines
+
+
+def test_quick_start_runs():
+  namespace: dict = {}
+  exec(compile(_blocks("python")[0], "README quick start", "exec"), namespace)  # noqa: S102
+  assert namespace["out"].shape == (2, 1024, 8, 64)
