@@ -11,7 +11,7 @@ Every length also runs, in the same process, ``jax.nn.dot_product_attention``
 (``implementation="xla"``) in each mode, and a float32 batched matmul
 ``[B*N, T, H] x [B*N, H, D]`` whose FLOP rate stands for what the machine
 can do. Records quote ``ratio_vs_xla`` (median time over the XLA median) and,
-for exact variants, the useful-FLOP rate and its ``fraction_of_matmul_rate``.
+for variants with a FLOP counter, the useful-FLOP rate and its ``fraction_of_matmul_rate``.
 
 Writes ``<output_dir>/benchmark.json`` (after every case, so an interrupted
 run keeps what it measured) and log-log plots ``time_<mode>.png`` and
@@ -293,8 +293,8 @@ def case_function(config: Config, case: Case, inputs: Inputs) -> tuple[Callable,
   return forward_backward(attention), qkv + (inputs.cotangent,)
 
 
-def attention_flops(batch: int, heads: int, length: int, key_length: int, head_dim: int,
-                    value_dim: int, *, mode: str, causal: bool) -> float:
+def softmax_flops(batch: int, heads: int, length: int, key_length: int, head_dim: int,
+                  value_dim: int, *, mode: str, causal: bool) -> float:
   """Useful floating-point operations of exact softmax attention.
 
   Forward: the two matmuls ``Q Kᵀ`` (``2·T·S·H`` per head) and ``P V``
@@ -312,15 +312,23 @@ def attention_flops(batch: int, heads: int, length: int, key_length: int, head_d
   return forward if mode == "forward" else 3.0 * forward
 
 
+# Useful-FLOP counters by registry name; variants not listed report no rate.
+USEFUL_FLOPS: dict[str, Callable[..., float]] = {
+    "softmax": softmax_flops,
+    "flash": softmax_flops,
+}
+
+
 def case_flops(config: Config, case: Case) -> float | None:
-  """Useful FLOPs of a case, or None when not known (inexact variants)."""
+  """Useful FLOPs of a case, or None when no counter is known for the variant."""
   B, N, T = config.batch, config.heads, case.length
   if case.kind == "matmul":
     return 2.0 * B * N * T * config.head_dim * config.value_dim
-  if case.kind == "attention" and not linattn_jax.get_spec(case.variant).exact:
+  counter = softmax_flops if case.kind == "xla" else USEFUL_FLOPS.get(case.variant)
+  if counter is None:
     return None
-  return attention_flops(B, N, T, T, config.head_dim, config.value_dim,
-                         mode=case.mode, causal=config.causal)
+  return counter(B, N, T, T, config.head_dim, config.value_dim,
+                 mode=case.mode, causal=config.causal)
 
 
 # ------------------------------------------------------------ measurement ---

@@ -1,0 +1,26 @@
+"""The experiment scripts run end to end on tiny settings."""
+
+from __future__ import annotations
+
+import json
+
+from experiments import benchmark
+
+
+def test_benchmark_runs_and_writes_ratios(tmp_path):
+  config = benchmark.Config(
+      variants=("softmax", "flash"), implementations=None, lengths=(32,), batch=1, heads=2,
+      kv_heads=1, head_dim=8, value_dim=8, dtype="float32", causal=True,
+      modes=("forward", "backward"), repeats=1, warmup=0, output_dir=str(tmp_path), plot=True,
+      max_memory_fraction=0.7, options={}, matmul_baseline=True)
+  benchmark.run_benchmark(config)
+  report = json.loads((tmp_path / "benchmark.json").read_text())
+  cases = report["cases"]
+  assert all(c["status"] == "ok" for c in cases), [c["status"] for c in cases]
+  attention = [c for c in cases if c["kind"] == "attention"]
+  assert {(c["variant"], c["implementation"]) for c in attention} == {
+      ("softmax", "xla"), ("softmax", "flash"), ("flash", None)}
+  for case in attention:
+    assert case["ratio_vs_xla"] > 0 and case["fraction_of_matmul_rate"] > 0
+    assert case["memory"]["temp_size_in_bytes"] is not None
+  assert (tmp_path / "memory.png").exists()
