@@ -5,6 +5,24 @@ Every builder returns a ``[..., T, S]`` boolean array; combine them with
 at key position ``i + S - T``.
 """
 
-from linattn_jax._src.masks import block_sparse, causal, local, padding, strided
+from linattn_jax._src.masks import (
+    bigbird,
+    bigbird_layout,
+    block_sparse,
+    causal,
+    local,
+    longformer,
+    padding,
+    strided,
+)
 
-__all__ = ["block_sparse", "causal", "local", "padding", "strided"]
+__all__ = [
+    "bigbird",
+    "bigbird_layout",
+    "block_sparse",
+    "causal",
+    "local",
+    "longformer",
+    "padding",
+    "strided",
+]

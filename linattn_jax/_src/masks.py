@@ -206,3 +206,114 @@ def block_sparse(layout: Any, block_size: int, T: int, S: int) -> jax.Array:
     )
   dense = np.repeat(np.repeat(layout.astype(bool), block_size, -2), block_size, -1)
   return jnp.asarray(dense[..., :T, :S])
+
+
+def longformer(T: int, S: int, window_size: Any, global_positions: Any) -> jax.Array:
+  """Longformer mask ``[T, S]``: a local window plus global tokens.
+
+  Global positions are key positions; the token at key p is query row
+  ``p - (S - T)``. Its row sees every key and its column is seen by every
+  query. T = S = 5, window (1, 0), global position 0::
+
+      x x x x x
+      x x . . .
+      x x x . .
+      x . x x .
+      x . . x x
+  """
+  glob = np.asarray(global_positions, np.int64).reshape(-1)
+  q, k = _positions(T, S)
+  glob_j = jnp.asarray(glob)
+  is_global_key = jnp.isin(k, glob_j)
+  is_global_query = jnp.isin(q + (S - T), glob_j)
+  return local(T, S, window_size) | is_global_key | is_global_query
+
+
+def _seed(rng: Any, fn: str) -> np.random.Generator:
+  """A numpy Generator from an int seed or a concrete jax PRNG key."""
+  if isinstance(rng, (int, np.integer)) and not isinstance(rng, bool):
+    return np.random.default_rng(int(rng))
+  if isinstance(rng, jax.core.Tracer):
+    raise ValueError(
+        f"{fn}: rng must be static (an int seed or a concrete key): the pattern decides "
+        "which blocks are gathered at trace time. Got a traced value.")
+  try:
+    data = jax.random.key_data(rng) if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key) else rng
+    return np.random.default_rng(np.asarray(data, np.uint32).reshape(-1).tolist())
+  except (AttributeError, TypeError, ValueError) as e:
+    raise ValueError(f"{fn}: rng must be an int seed or a jax PRNG key; got {rng!r}.") from e
+
+
+def bigbird_layout(
+    num_blocks: int,
+    *,
+    num_window_blocks: int = 3,
+    num_global_blocks: int = 2,
+    num_random_blocks: int = 3,
+    rng: Any = 0,
+    is_causal: bool = False,
+) -> np.ndarray:
+  """BigBird block layout ``[nb, nb]`` (numpy bool, static).
+
+  Query block a attends to: the first ``num_global_blocks`` blocks (global
+  columns); blocks ``a - w//2 .. a + (w-1)//2`` for a window of w blocks
+  (``a - w + 1 .. a`` when causal); ``num_random_blocks`` other blocks drawn
+  without replacement from ``rng`` (from the past only when causal). The
+  global blocks' rows attend to everything (the past, when causal).
+  nb = 6, w = 3, g = 1, r = 1 (random blocks marked r)::
+
+      x x x x x x
+      x x x . r .
+      x x x x . r
+      x r x x x .
+      x . r x x x
+      x . . r x x
+  """
+  fn = "bigbird_layout"
+  for name, n in (("num_window_blocks", num_window_blocks),
+                  ("num_global_blocks", num_global_blocks),
+                  ("num_random_blocks", num_random_blocks)):
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+      raise ValueError(f"{fn}: {name} must be a non-negative int; got {n!r}.")
+  nb = check_positive_int(num_blocks, name="num_blocks", fn=fn)
+  gen = _seed(rng, fn)
+  g = min(num_global_blocks, nb)
+  a = np.arange(nb)[:, None]
+  b = np.arange(nb)[None, :]
+  w = num_window_blocks
+  window = (b > a - w) & (b <= a) if is_causal else (b >= a - w // 2) & (b <= a + (w - 1) // 2)
+  layout = window & (w > 0) | (b < g) | (a < g)
+  for row in range(g, nb):
+    free = np.flatnonzero(~layout[row] & ((np.arange(nb) < row) if is_causal else True))
+    picks = gen.choice(free, size=min(num_random_blocks, free.size), replace=False)
+    layout[row, picks] = True
+  if is_causal:
+    layout &= b <= a
+  return layout
+
+
+def bigbird(
+    T: int,
+    S: int,
+    block_size: int,
+    *,
+    num_window_blocks: int = 3,
+    num_global_blocks: int = 2,
+    num_random_blocks: int = 3,
+    rng: Any = 0,
+    is_causal: bool = False,
+) -> jax.Array:
+  """BigBird mask ``[T, S]``: :func:`bigbird_layout` expanded to tokens.
+
+  Blocks live on one grid of ``U = max(T, S)`` positions, bottom-right
+  aligned: query i sits at ``U - T + i``, key j at ``U - S + j``. The same
+  ``rng`` gives the same pattern as ``bigbird_attention``. Combine with
+  :func:`causal` (or ``is_causal=True`` in the attention call) for the
+  element-level causal rule inside diagonal blocks.
+  """
+  bs = check_positive_int(block_size, name="block_size", fn="bigbird")
+  U = max(T, S)
+  layout = bigbird_layout(-(-U // bs), num_window_blocks=num_window_blocks,
+                          num_global_blocks=num_global_blocks,
+                          num_random_blocks=num_random_blocks, rng=rng, is_causal=is_causal)
+  return block_sparse(layout, bs, U, U)[U - T:, U - S:]

@@ -65,7 +65,8 @@ def online_softmax_update(
   Returns:
     The updated carry.
   """
-  new_max = jnp.maximum(carry.row_max, jnp.max(scores, axis=-1))
+  # The result does not depend on the shift, so no gradient flows through it.
+  new_max = jax.lax.stop_gradient(jnp.maximum(carry.row_max, jnp.max(scores, axis=-1)))
   shift = _safe_max(new_max)
   correction = jnp.exp(carry.row_max - shift)  # 0 where nothing was seen.
   probs = jnp.exp(scores - shift[..., None])

@@ -1,0 +1,122 @@
+"""Softmax attention over gathered key sets: the engine of the sparse family.
+
+A sparse pattern is described statically (numpy, at trace time) by a plan:
+query rows are grouped into R groups of Q rows (usually consecutive blocks),
+and each group gathers the same L key positions (a window, some blocks, some
+summary columns). Scores are formed only for those ``R x Q x L`` pairs, so
+cost and memory follow the pattern (``T·L``), not ``T·S``::
+
+    out[rows of group r] = softmax(Q_r · K[index_r]ᵀ · scale, masked) V[index_r]
+
+An element-level mask (the exact pattern inside the gathered blocks, the
+causal rule, padding slots, key lengths) is applied before the softmax, which
+is the single-block case of the online softmax: rows that see nothing return
+zeros. Gradients come from autodiff: what is saved is again ``O(T·L)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from linattn_jax._src import checks
+from linattn_jax._src.masks import causal_predicate
+from linattn_jax._src.online_softmax import (
+    init_softmax_carry,
+    online_softmax_finish,
+    online_softmax_update,
+)
+
+
+class Plan(NamedTuple):
+  """Static description of which keys each group of query rows visits.
+
+  ``P`` is 1 when all heads share the pattern, N for one pattern per query head.
+  """
+
+  rows: np.ndarray  # [R, Q] int: query positions of each group (>= T: padding row).
+  keys: np.ndarray  # [P, R, L] int: key positions gathered by each group.
+  valid: np.ndarray  # [P, R, L] bool: False for padding or duplicate slots.
+
+
+def dedupe(keys: np.ndarray, valid: np.ndarray, S: int) -> np.ndarray:
+  """``valid`` with out-of-range and repeated key slots switched off (per row)."""
+  valid = valid & (keys >= 0) & (keys < S)
+  order = np.argsort(np.where(valid, keys, S), axis=-1, kind="stable")
+  sorted_keys = np.take_along_axis(np.where(valid, keys, S), order, axis=-1)
+  repeat = np.zeros_like(valid)
+  repeat[..., 1:] = sorted_keys[..., 1:] == sorted_keys[..., :-1]
+  first = np.empty_like(valid)
+  np.put_along_axis(first, order, ~repeat, axis=-1)
+  return valid & first
+
+
+def tile_rows(T: int, Q: int) -> np.ndarray:
+  """``[ceil(T / Q), Q]`` consecutive query positions (the last block padded past T)."""
+  return np.arange(-(-T // Q) * Q).reshape(-1, Q)
+
+
+def attend(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    plan: Plan,
+    *,
+    dims: checks.Dims,
+    scale: float,
+    is_causal: bool,
+    key_value_seq_lengths: jax.Array | None,
+    pattern: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None,
+) -> jax.Array:
+  """Attention of the plan's query rows over their gathered keys.
+
+  Args:
+    query: ``[B, T, N, H]``; key ``[B, S, K, H]``; value ``[B, S, K, D]``.
+    plan: the static :class:`Plan`.
+    dims: the call's sizes.
+    scale: logit scale.
+    is_causal: also apply ``masks.causal_predicate`` (bottom-right aligned).
+    key_value_seq_lengths: optional ``[B]`` int32.
+    pattern: optional static element rule ``pattern(q_pos, k_pos) -> bool``
+      on broadcastable numpy positions, refining the gathered sets.
+
+  Returns:
+    ``[B, R, Q, N, D]`` in the accumulation dtype; padding rows are zero.
+  """
+  B, T, S, N, K, H, D = dims
+  G = N // K
+  P, R, L = plan.keys.shape
+  Q = plan.rows.shape[1]
+  acc = checks.accumulation_dtype(query.dtype)
+
+  q = jnp.take(query, np.minimum(plan.rows, T - 1), axis=1)  # [B, R, Q, N, H]
+  q = q.reshape(B, R, Q, K, G, H).transpose(0, 3, 4, 1, 2, 5).astype(acc)  # [B, K, G, R, Q, H]
+  keys = np.clip(plan.keys, 0, S - 1)
+  if P == 1:  # [B, K, 1, R, L, *]: heads of one kv group share the gathered keys.
+    gather = lambda x: jnp.take(x, keys[0], axis=1).transpose(0, 3, 1, 2, 4)[:, :, None]  # noqa: E731
+  else:  # [B, K, G, R, L, *]: each query head gathers from its kv head.
+    kv_head = (np.arange(N) // G)[:, None, None]
+    gather = lambda x: x[:, keys, kv_head].reshape(B, K, G, R, L, -1)  # noqa: E731
+  k, v = gather(key).astype(acc), gather(value).astype(acc)
+
+  q_pos = plan.rows[None, :, :, None]  # [1, R, Q, 1]
+  k_pos = plan.keys[:, :, None, :]  # [P, R, 1, L]
+  ok = plan.valid[:, :, None, :] & (q_pos < T)
+  if pattern is not None:
+    ok = ok & pattern(q_pos, k_pos)
+  if is_causal:
+    ok = ok & causal_predicate(q_pos, k_pos, T, S)
+  ok = jnp.asarray(np.broadcast_to(ok, (P, R, Q, L)).reshape((1, K, G, R, Q, L)
+                                                              if P == N else (1, 1, 1, R, Q, L)))
+  if key_value_seq_lengths is not None:
+    in_len = k_pos < jnp.reshape(key_value_seq_lengths, (B, 1, 1, 1))  # [B, P, R, 1, L]
+    ok = ok & in_len.reshape((B, K, G, R, 1, L) if P == N else (B, 1, 1, R, 1, L))
+
+  s = jnp.where(ok, jnp.matmul(q, jnp.swapaxes(k, -1, -2)) * scale, -jnp.inf)
+  carry = init_softmax_carry((B, K, G, R, Q), D, acc)
+  out, _ = online_softmax_finish(online_softmax_update(carry, s, lambda p: jnp.matmul(p, v)))
+  return out.transpose(0, 3, 4, 1, 2, 5).reshape(B, R, Q, N, D)

@@ -1,0 +1,515 @@
+"""Sparse and structured softmax attention whose cost follows the pattern.
+
+Each function is exact softmax attention restricted to a pattern (True =
+attend), with two implementations:
+
+- ``"reference"``: ``softmax_attention_reference`` with the dense mask from
+  ``linattn_jax.masks`` (the oracle; O(T·S));
+- ``"blocked"`` (the default): query rows are taken a block at a time and
+  each block gathers only the keys its pattern can reach (see ``gather``),
+  so cost and memory are O(T·L) for L gathered keys per block.
+
+Rows that reach global tokens (Longformer, BigBird) are computed in a second
+pass over all keys and written over the tiled result. Causal alignment for
+T != S is bottom-right (query i sits at key position ``i + S - T``).
+
+Letters: B batch, T query length, S key length, N query heads, K key/value
+heads, H query/key head dim, D value head dim.
+
+References:
+  Child et al., "Generating Long Sequences with Sparse Transformers", 2019.
+  Beltagy et al., "Longformer: The Long-Document Transformer", 2020.
+  Zaheer et al., "Big Bird: Transformers for Longer Sequences", 2020.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from linattn_jax._src import checks
+from linattn_jax._src import masks as masks_lib
+from linattn_jax._src.gather import Plan, attend, dedupe, tile_rows
+from linattn_jax._src.registry import AttentionSpec, StreamingSpec, register_attention
+from linattn_jax._src.softmax import softmax_attention_reference
+
+IMPLEMENTATIONS = ("reference", "blocked")
+DEFAULT_BLOCK_SIZE = 64
+
+PatternRule = Callable[[np.ndarray, np.ndarray], np.ndarray]
+
+
+class _Pass(NamedTuple):
+  """One gathered pass: its plan and the element rule inside gathered keys."""
+
+  plan: Plan
+  rule: PatternRule | None = None
+
+
+class _Pattern(NamedTuple):
+  """A sparse pattern for one (T, S): its dense twin and its gathered passes.
+
+  Each pass computes the rows its plan lists; a later pass replaces rows an
+  earlier one computed (e.g. global tokens over the windowed rows).
+  """
+
+  dense: np.ndarray | jax.Array  # [T, S] or [N, T, S] bool.
+  passes: tuple[_Pass, ...]
+
+
+def _run(fn: str, query, key, value, *, implementation, is_causal, scale,
+         key_value_seq_lengths, pattern: Callable[[int, int], _Pattern]) -> jax.Array:
+  """Validates, builds the pattern for the static (T, S) and dispatches."""
+  checks.check_choice(implementation, name="implementation",
+                      choices=(None,) + IMPLEMENTATIONS, fn=fn)
+  p = checks.prepare_qkv(query, key, value, fn=fn)
+  kv_len = checks.check_lengths(
+      p, fn=fn, key_value_seq_lengths=key_value_seq_lengths)["key_value_seq_lengths"]
+  B, T, S, N, _, H, D = p.dims
+  pat = pattern(T, S)
+  if implementation == "reference":
+    dense = jnp.asarray(pat.dense)
+    out = softmax_attention_reference(
+        p.query, p.key, p.value, mask=dense if dense.ndim == 2 else dense[None],
+        is_causal=is_causal, scale=scale, key_value_seq_lengths=kv_len)
+    return p.restore(out)
+  scale = checks.resolve_scale(scale, H)
+  out = jnp.zeros((B, T, N, D), checks.accumulation_dtype(p.query.dtype))
+  for ps in pat.passes:
+    rows = ps.plan.rows.reshape(-1)
+    keep = rows < T
+    new = attend(p.query, p.key, p.value, ps.plan, dims=p.dims, scale=scale,
+                 is_causal=is_causal, key_value_seq_lengths=kv_len, pattern=ps.rule)
+    out = out.at[:, rows[keep]].set(new.reshape(B, -1, N, D)[:, keep])
+  return p.restore(out.astype(p.query.dtype))
+
+
+def _all_keys(rows: np.ndarray, S: int) -> Plan:
+  """A plan in which the given rows ``[1, Q]`` see every key."""
+  keys = np.arange(S)[None, None]
+  return Plan(rows, keys, np.ones(keys.shape, bool))
+
+
+def _block(block_size: Any, T: int, fn: str) -> int:
+  """The query block Q: ``block_size`` (checked), at most T."""
+  return min(checks.check_positive_int(block_size, name="block_size", fn=fn), T)
+
+
+def _window_pass(T: int, S: int, Q: int, left: int, right: int) -> tuple[np.ndarray, np.ndarray]:
+  """Rows ``[R, Q]`` and the key range ``[R, Q + left + right]`` each block's window spans."""
+  rows = tile_rows(T, Q)
+  start = rows[:, :1] + (S - T) - left
+  return rows, start + np.arange(Q + left + right)[None, :]
+
+
+# --------------------------------------------------------------- local ---
+
+
+def local_attention(
+    query: Any,
+    key: Any,
+    value: Any,
+    *,
+    window_size: Any,
+    is_causal: bool = False,
+    scale: float | None = None,
+    key_value_seq_lengths: Any = None,
+    implementation: str | None = None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+) -> jax.Array:
+  """Sliding-window softmax attention in O(T·w).
+
+  Query i attends to keys ``i - left .. i + right`` (positions aligned
+  bottom-right when T != S), as ``jax.nn.dot_product_attention``'s
+  ``local_window_size``; with ``is_causal`` the right side is 0. Equals
+  ``softmax_attention(..., mask=masks.local(T, S, window_size))``.
+
+  Args:
+    query: ``[B, T, N, H]``; key ``[B, S, K, H]``; value ``[B, S, K, D]``.
+    window_size: int (symmetric) or ``(left, right)``, non-negative.
+    is_causal: drop keys after the query (right side 0).
+    scale: logit scale, default ``1 / sqrt(H)``.
+    key_value_seq_lengths: optional ``[B]`` ints; later keys are masked.
+    implementation: ``"blocked"`` (default) or ``"reference"``.
+    block_size: query rows per gathered block; each block gathers
+      ``block_size + left + right`` keys.
+
+  Returns:
+    ``[B, T, N, D]`` in the input dtype; rows with no visible key are zero.
+
+  Raises:
+    ValueError: negative or malformed windows, bad block sizes, bad shapes.
+  """
+  fn = "local_attention"
+  left, right = masks_lib.normalize_window(window_size, fn=fn)
+  right = 0 if is_causal else right
+
+  def pattern(T: int, S: int) -> _Pattern:
+    rows, keys = _window_pass(T, S, _block(block_size, T, fn), left, right)
+    plan = Plan(rows, keys[None], dedupe(keys[None], np.ones(keys[None].shape, bool), S))
+    rule = lambda q, k: masks_lib.local_predicate(q, k, T, S, left, right)  # noqa: E731
+    return _Pattern(masks_lib.local(T, S, (left, right)), (_Pass(plan, rule),))
+
+  return _run(fn, query, key, value, implementation=implementation, is_causal=is_causal,
+              scale=scale, key_value_seq_lengths=key_value_seq_lengths, pattern=pattern)
+
+
+class LocalState(NamedTuple):
+  """Ring buffer of the last W = left + 1 keys and values (causal streaming)."""
+
+  keys: jax.Array  # [B, W, K, H] input dtype; slot p % W holds position p.
+  values: jax.Array  # [B, W, K, D] input dtype.
+  position: jax.Array  # [] int32: tokens seen so far.
+
+
+def init_local_state(batch: int, window_size: Any, num_kv_heads: int, head_dim: int,
+                     value_dim: int, dtype: Any = jnp.float32) -> LocalState:
+  """Empty :class:`LocalState` for causal ``local_attention_step``.
+
+  Only the left window matters for causal decoding: memory is
+  ``(left + 1)·K·(H + D)`` per example, whatever the position.
+  """
+  left, _ = masks_lib.normalize_window(window_size, fn="init_local_state")
+  W = left + 1
+  return LocalState(jnp.zeros((batch, W, num_kv_heads, head_dim), dtype),
+                    jnp.zeros((batch, W, num_kv_heads, value_dim), dtype),
+                    jnp.zeros((), jnp.int32))
+
+
+def local_attention_step(state: LocalState, query: jax.Array, key: jax.Array, value: jax.Array,
+                         *, scale: float | None = None) -> tuple[LocalState, jax.Array]:
+  """One causal decoding step of :func:`local_attention`.
+
+  Writes the new key/value into slot ``position % W`` and attends over the
+  filled slots, i.e. positions ``position - left .. position``.
+
+  Args:
+    state: from :func:`init_local_state` or a previous step.
+    query: ``[B, N, H]``; key ``[B, K, H]``; value ``[B, K, D]``.
+    scale: logit scale, default ``1 / sqrt(H)``.
+
+  Returns:
+    ``(state, out)`` with ``out`` ``[B, N, D]`` in the query dtype.
+  """
+  fn = "local_attention_step"
+  B, W, K, H = state.keys.shape
+  D = state.values.shape[-1]
+  if key.shape != (B, K, H) or value.shape != (B, K, D) or query.ndim != 3 or (
+      query.shape[0] != B or query.shape[2] != H or query.shape[1] % K):
+    raise ValueError(
+        f"{fn}: expected query [B={B}, N, H={H}] with K={K} dividing N, key {(B, K, H)} and "
+        f"value {(B, K, D)}; got query {query.shape}, key {key.shape}, value {value.shape}.")
+  slot = state.position % W
+  keys = jax.lax.dynamic_update_index_in_dim(state.keys, key.astype(state.keys.dtype), slot, 1)
+  values = jax.lax.dynamic_update_index_in_dim(state.values, value.astype(state.values.dtype),
+                                               slot, 1)
+  filled = jnp.arange(W) <= state.position  # Slots written so far.
+  out = softmax_attention_reference(
+      query[:, None], keys, values, mask=filled[None, None, None, :], scale=scale)
+  return LocalState(keys, values, state.position + 1), out[:, 0]
+
+
+# ------------------------------------------------------------- strided ---
+
+
+def strided_attention(
+    query: Any,
+    key: Any,
+    value: Any,
+    *,
+    stride: int,
+    window_size: Any = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    key_value_seq_lengths: Any = None,
+    implementation: str | None = None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+) -> jax.Array:
+  """Strided ("summary column") attention plus an optional local window.
+
+  Query i sees keys j with ``j % stride == 0``, plus keys in its window when
+  ``window_size`` is given: the Sparse Transformer combination in which any
+  key is two hops away. Cost O(T·(S / stride + w)). Equals
+  ``softmax_attention(..., mask=masks.strided(T, S, stride, window_size))``.
+
+  Args:
+    stride: distance between summary columns, >= 1.
+    window_size: optional int or ``(left, right)`` local window.
+    (Others as :func:`local_attention`.)
+  """
+  fn = "strided_attention"
+  stride = checks.check_positive_int(stride, name="stride", fn=fn)
+  left, right = (0, 0) if window_size is None else masks_lib.normalize_window(window_size, fn=fn)
+
+  def pattern(T: int, S: int) -> _Pattern:
+    Q = _block(block_size, T, fn)
+    summary = np.arange(0, S, stride)
+    if window_size is None:
+      rows = tile_rows(T, Q)
+      keys = np.broadcast_to(summary, (rows.shape[0], summary.size))
+    else:
+      rows, window = _window_pass(T, S, Q, left, right)
+      keys = np.concatenate([window, np.broadcast_to(summary, (rows.shape[0], summary.size))], 1)
+    keys = keys[None]
+    plan = Plan(rows, keys, dedupe(keys, np.ones(keys.shape, bool), S))
+
+    def rule(q, k):
+      hit = k % stride == 0
+      if window_size is not None:
+        hit = hit | masks_lib.local_predicate(q, k, T, S, left, right)
+      return hit
+
+    return _Pattern(masks_lib.strided(T, S, stride, window_size), (_Pass(plan, rule),))
+
+  return _run(fn, query, key, value, implementation=implementation, is_causal=is_causal,
+              scale=scale, key_value_seq_lengths=key_value_seq_lengths, pattern=pattern)
+
+
+# -------------------------------------------------------- block sparse ---
+
+
+def _layout_plan(layout: np.ndarray, row_blocks: np.ndarray, bs: int, S: int,
+                 key_offset: int = 0) -> Plan:
+  """Plan gathering, for each listed query block, the key blocks its layout row selects.
+
+  ``layout`` is ``[P, nqb, nkb]``; ``row_blocks`` the query blocks to plan,
+  with their query positions in ``rows`` computed by the caller. Key block b
+  covers key positions ``b·bs - key_offset .. (b + 1)·bs - key_offset - 1``.
+  """
+  P = layout.shape[0]
+  chosen = layout[:, row_blocks]  # [P, R, nkb]
+  L = max(1, int(chosen.sum(-1).max())) * bs
+  keys = np.zeros((P, len(row_blocks), L), np.int64)
+  valid = np.zeros((P, len(row_blocks), L), bool)
+  for p in range(P):
+    for r in range(len(row_blocks)):
+      blocks = np.flatnonzero(chosen[p, r])
+      span = (blocks[:, None] * bs + np.arange(bs)[None, :]).reshape(-1) - key_offset
+      keys[p, r, : span.size] = span
+      valid[p, r, : span.size] = True
+  return keys, dedupe(keys, valid, S)
+
+
+def _check_layout(layout: Any, T: int, S: int, bs: int, fn: str) -> np.ndarray:
+  """A static boolean layout as ``[P, ceil(T/bs), ceil(S/bs)]``."""
+  if callable(layout):
+    layout = layout(-(-T // bs), -(-S // bs))
+  if isinstance(layout, jax.core.Tracer):
+    raise ValueError(f"{fn}: layout must be static (numpy or a concrete array), not traced.")
+  layout = np.asarray(layout)
+  want = (-(-T // bs), -(-S // bs))
+  if layout.ndim not in (2, 3) or layout.shape[-2:] != want:
+    raise ValueError(
+        f"{fn}: layout must have shape [{want[0]}, {want[1]}] or [N, {want[0]}, {want[1]}] "
+        f"for T={T}, S={S}, block_size={bs}; got {layout.shape}.")
+  return layout.astype(bool).reshape((-1,) + want)
+
+
+def block_sparse_attention(
+    query: Any,
+    key: Any,
+    value: Any,
+    *,
+    layout: Any,
+    block_size: int,
+    is_causal: bool = False,
+    scale: float | None = None,
+    key_value_seq_lengths: Any = None,
+    implementation: str | None = None,
+) -> jax.Array:
+  """Softmax attention over the key blocks a static block layout selects.
+
+  ``layout[a, b]`` (or ``layout[n, a, b]`` per query head) says whether query
+  block a (rows ``a·bs .. a·bs + bs - 1``) attends to key block b. Each query
+  block gathers only its selected key blocks: cost O(T · bs · max row count).
+  Equals ``softmax_attention(..., mask=masks.block_sparse(layout, bs, T, S))``.
+
+  Args:
+    layout: static bool ``[ceil(T/bs), ceil(S/bs)]`` or
+      ``[N, ceil(T/bs), ceil(S/bs)]``, or a callable
+      ``(num_q_blocks, num_k_blocks) -> layout`` for length-generic patterns.
+    block_size: block length ``bs`` on both axes; the last block may be
+      partial (inputs are padded internally).
+    (Others as :func:`local_attention`.)
+  """
+  fn = "block_sparse_attention"
+  bs = checks.check_positive_int(block_size, name="block_size", fn=fn)
+
+  def pattern(T: int, S: int) -> _Pattern:
+    grid = _check_layout(layout, T, S, bs, fn)
+    if grid.shape[0] not in (1, query_heads):
+      raise ValueError(f"{fn}: a per-head layout needs N={query_heads} heads; got {grid.shape}.")
+    rows = tile_rows(T, bs)
+    keys, valid = _layout_plan(grid, np.arange(rows.shape[0]), bs, S)
+    dense = masks_lib.block_sparse(grid if grid.shape[0] > 1 else grid[0], bs, T, S)
+    return _Pattern(dense, (_Pass(Plan(rows, keys, valid)),))
+
+  query_heads = np.shape(query)[-2]
+  return _run(fn, query, key, value, implementation=implementation, is_causal=is_causal,
+              scale=scale, key_value_seq_lengths=key_value_seq_lengths, pattern=pattern)
+
+
+# ---------------------------------------------------------- longformer ---
+
+
+def _check_positions(positions: Any, S: int, fn: str) -> np.ndarray:
+  pos = np.asarray(positions, dtype=np.int64).reshape(-1) if np.size(positions) else np.zeros(
+      0, np.int64)
+  if not np.all(np.equal(np.asarray(positions).reshape(-1), pos)) or np.any(pos < 0) or np.any(
+      pos >= S):
+    raise ValueError(f"{fn}: global_positions must be ints in [0, S={S}); got {positions!r}.")
+  return np.unique(pos)
+
+
+def longformer_attention(
+    query: Any,
+    key: Any,
+    value: Any,
+    *,
+    window_size: Any,
+    global_positions: Sequence[int] = (),
+    is_causal: bool = False,
+    scale: float | None = None,
+    key_value_seq_lengths: Any = None,
+    implementation: str | None = None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+) -> jax.Array:
+  """Longformer attention: a local window plus global tokens. Cost O(T·(w + g)).
+
+  Every query sees its window and the global tokens; a global token's query
+  sees every key. Global positions are key positions (the token at key p is
+  query ``p - (S - T)`` when T != S). Equals
+  ``softmax_attention(..., mask=masks.longformer(T, S, window_size, global_positions))``.
+
+  Args:
+    window_size: int or ``(left, right)``.
+    global_positions: static key positions of the global tokens.
+    (Others as :func:`local_attention`.)
+  """
+  fn = "longformer_attention"
+  left, right = masks_lib.normalize_window(window_size, fn=fn)
+
+  def pattern(T: int, S: int) -> _Pattern:
+    glob = _check_positions(global_positions, S, fn)
+    rows, window = _window_pass(T, S, _block(block_size, T, fn), left, right)
+    keys = np.concatenate([window, np.broadcast_to(glob, (rows.shape[0], glob.size))], 1)[None]
+    tiled = Plan(rows, keys, dedupe(keys, np.ones(keys.shape, bool), S))
+    rule = lambda q, k: (masks_lib.local_predicate(q, k, T, S, left, right)  # noqa: E731
+                         | np.isin(k, glob))
+    dense = masks_lib.longformer(T, S, (left, right), glob)
+    global_rows = glob - (S - T)
+    global_rows = global_rows[(global_rows >= 0) & (global_rows < T)]
+    passes = (_Pass(tiled, rule),)
+    if global_rows.size:
+      passes += (_Pass(_all_keys(global_rows[None], S)),)
+    return _Pattern(dense, passes)
+
+  return _run(fn, query, key, value, implementation=implementation, is_causal=is_causal,
+              scale=scale, key_value_seq_lengths=key_value_seq_lengths, pattern=pattern)
+
+
+# -------------------------------------------------------------- bigbird ---
+
+
+def bigbird_attention(
+    query: Any,
+    key: Any,
+    value: Any,
+    *,
+    block_size: int,
+    num_window_blocks: int = 3,
+    num_global_blocks: int = 2,
+    num_random_blocks: int = 3,
+    rng: Any = 0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    key_value_seq_lengths: Any = None,
+    implementation: str | None = None,
+) -> jax.Array:
+  """BigBird attention: global, sliding-window and random key blocks.
+
+  On a grid of ``block_size`` blocks (see :func:`masks.bigbird_layout`),
+  each query block attends to the first ``num_global_blocks`` key blocks, a
+  window of ``num_window_blocks`` blocks around itself and
+  ``num_random_blocks`` random other blocks drawn from ``rng``; the global
+  query blocks attend to everything. With ``is_causal`` window and random
+  blocks come only from the past, and the causal mask applies inside blocks:
+  truly causal, never full attention. Equals
+  ``softmax_attention(..., mask=masks.bigbird(T, S, block_size, ..., rng=rng,
+  is_causal=is_causal))``.
+
+  Args:
+    block_size: block length on both axes.
+    num_window_blocks: blocks in the sliding window (odd numbers centre it).
+    num_global_blocks: leading blocks that are global.
+    num_random_blocks: random key blocks per query block.
+    rng: an int seed or a concrete ``jax.random`` key; the pattern is built
+      at trace time (it decides which blocks are gathered), so it must be
+      static: the same rng gives the same pattern.
+    (Others as :func:`local_attention`.)
+  """
+  fn = "bigbird_attention"
+  bs = checks.check_positive_int(block_size, name="block_size", fn=fn)
+  counts = dict(num_window_blocks=num_window_blocks, num_global_blocks=num_global_blocks,
+                num_random_blocks=num_random_blocks)
+
+  def pattern(T: int, S: int) -> _Pattern:
+    U = max(T, S)  # Shared grid: query i at U - T + i, key j at U - S + j.
+    grid = masks_lib.bigbird_layout(-(-U // bs), rng=rng, is_causal=is_causal, **counts)
+    nb = grid.shape[0]
+    g = min(num_global_blocks, nb)
+    to_query = lambda u: np.where((u >= U - T) & (u < U), u - (U - T), T)  # noqa: E731
+    grid_rows = tile_rows(nb * bs, bs)  # [nb, bs] grid positions.
+    sparse_blocks = np.arange(g, nb)
+    passes = (_Pass(_all_keys(to_query(grid_rows[:g].reshape(1, -1)), S)),) if g else ()
+    if sparse_blocks.size:
+      keys, valid = _layout_plan(grid[None], sparse_blocks, bs, S, key_offset=U - S)
+      passes += (_Pass(Plan(to_query(grid_rows[sparse_blocks]), keys, valid)),)
+    dense = masks_lib.bigbird(T, S, bs, rng=rng, is_causal=is_causal, **counts)
+    return _Pattern(dense, passes)
+
+  return _run(fn, query, key, value, implementation=implementation,
+              is_causal=is_causal, scale=scale,
+              key_value_seq_lengths=key_value_seq_lengths, pattern=pattern)
+
+
+# ------------------------------------------------------------ registry ---
+
+
+def _example_layout(num_q_blocks: int, num_k_blocks: int) -> np.ndarray:
+  """A length-generic layout for tests and benchmarks: block diagonal, first column, one off."""
+  a = np.arange(num_q_blocks)[:, None] + (num_k_blocks - num_q_blocks)
+  b = np.arange(num_k_blocks)[None, :]
+  return (b == a) | (b == 0) | (b == a - 2)
+
+
+def _init_local_like(query, key, value, *, window_size):
+  B, _, K, H = key.shape
+  return init_local_state(B, window_size, K, H, value.shape[-1], key.dtype)
+
+
+def _spec(name: str, function: Callable[..., Any], pattern_options: dict[str, Any],
+          block_size: int | None = None, **kw: Any) -> AttentionSpec:
+  """Registers a sparse variant; its oracle is the same function's reference path."""
+  how = {"implementation"} | ({"block_size"} if block_size is not None else set())
+  test = dict(pattern_options, **({"block_size": block_size} if block_size is not None else {}))
+  return register_attention(AttentionSpec(
+      name=name, function=function,
+      reference=functools.partial(function, implementation="reference"),
+      how_options=frozenset(how), implementations=IMPLEMENTATIONS, test_options=test, **kw))
+
+
+_spec("local", local_attention, {"window_size": (3, 2)}, block_size=4,
+      streaming=StreamingSpec(init=_init_local_like, step=local_attention_step,
+                              state_passing=False))
+_spec("strided", strided_attention, {"stride": 3, "window_size": (2, 1)}, block_size=4)
+_spec("block_sparse", block_sparse_attention, {"layout": _example_layout, "block_size": 3})
+_spec("longformer", longformer_attention, {"window_size": (2, 1), "global_positions": (0, 3)},
+      block_size=4)
+_spec("bigbird", bigbird_attention, {"block_size": 2, "num_window_blocks": 3,
+                                     "num_global_blocks": 1, "num_random_blocks": 1, "rng": 0})
