@@ -58,7 +58,7 @@ class _Pattern(NamedTuple):
   earlier one computed (e.g. global tokens over the windowed rows).
   """
 
-  dense: np.ndarray | jax.Array  # [T, S] or [N, T, S] bool.
+  dense: Callable[[], jax.Array]  # The dense twin [T, S] or [N, T, S] (reference only).
   passes: tuple[_Pass, ...]
 
 
@@ -73,7 +73,7 @@ def _run(fn: str, query, key, value, *, implementation, is_causal, scale,
   B, T, S, N, _, H, D = p.dims
   pat = pattern(T, S)
   if implementation == "reference":
-    dense = jnp.asarray(pat.dense)
+    dense = jnp.asarray(pat.dense())
     out = softmax_attention_reference(
         p.query, p.key, p.value, mask=dense if dense.ndim == 2 else dense[None],
         is_causal=is_causal, scale=scale, key_value_seq_lengths=kv_len)
@@ -153,7 +153,7 @@ def local_attention(
     rows, keys = _window_pass(T, S, _block(block_size, T, fn), left, right)
     plan = Plan(rows, keys[None], dedupe(keys[None], np.ones(keys[None].shape, bool), S))
     rule = lambda q, k: masks_lib.local_predicate(q, k, T, S, left, right)  # noqa: E731
-    return _Pattern(masks_lib.local(T, S, (left, right)), (_Pass(plan, rule),))
+    return _Pattern(lambda: masks_lib.local(T, S, (left, right)), (_Pass(plan, rule),))
 
   return _run(fn, query, key, value, implementation=implementation, is_causal=is_causal,
               scale=scale, key_value_seq_lengths=key_value_seq_lengths, pattern=pattern)
@@ -264,7 +264,7 @@ def strided_attention(
         hit = hit | masks_lib.local_predicate(q, k, T, S, left, right)
       return hit
 
-    return _Pattern(masks_lib.strided(T, S, stride, window_size), (_Pass(plan, rule),))
+    return _Pattern(lambda: masks_lib.strided(T, S, stride, window_size), (_Pass(plan, rule),))
 
   return _run(fn, query, key, value, implementation=implementation, is_causal=is_causal,
               scale=scale, key_value_seq_lengths=key_value_seq_lengths, pattern=pattern)
@@ -346,7 +346,7 @@ def block_sparse_attention(
       raise ValueError(f"{fn}: a per-head layout needs N={query_heads} heads; got {grid.shape}.")
     rows = tile_rows(T, bs)
     keys, valid = _layout_plan(grid, np.arange(rows.shape[0]), bs, S)
-    dense = masks_lib.block_sparse(grid if grid.shape[0] > 1 else grid[0], bs, T, S)
+    dense = lambda: masks_lib.block_sparse(grid if grid.shape[0] > 1 else grid[0], bs, T, S)  # noqa: E731
     return _Pattern(dense, (_Pass(Plan(rows, keys, valid)),))
 
   query_heads = np.shape(query)[-2]
@@ -401,7 +401,7 @@ def longformer_attention(
     tiled = Plan(rows, keys, dedupe(keys, np.ones(keys.shape, bool), S))
     rule = lambda q, k: (masks_lib.local_predicate(q, k, T, S, left, right)  # noqa: E731
                          | np.isin(k, glob))
-    dense = masks_lib.longformer(T, S, (left, right), glob)
+    dense = lambda: masks_lib.longformer(T, S, (left, right), glob)  # noqa: E731
     global_rows = glob - (S - T)
     global_rows = global_rows[(global_rows >= 0) & (global_rows < T)]
     passes = (_Pass(tiled, rule),)
@@ -470,7 +470,7 @@ def bigbird_attention(
     if sparse_blocks.size:
       keys, valid = _layout_plan(grid[None], sparse_blocks, bs, S, key_offset=U - S)
       passes += (_Pass(Plan(to_query(grid_rows[sparse_blocks]), keys, valid)),)
-    dense = masks_lib.bigbird(T, S, bs, rng=rng, is_causal=is_causal, **counts)
+    dense = lambda: masks_lib.bigbird(T, S, bs, rng=rng, is_causal=is_causal, **counts)  # noqa: E731
     return _Pattern(dense, passes)
 
   return _run(fn, query, key, value, implementation=implementation,

@@ -1,0 +1,157 @@
+"""Sparse-family checks beyond the shared suite: dense twins, pattern details,
+cost that follows the pattern, streaming memory, and bad input."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _helpers import Shape, assert_close, make_qkv
+
+import linattn_jax as la
+from linattn_jax import masks
+
+SHAPE = Shape(B=2, T=21, S=21, N=4, K=2, H=8, D=6)
+
+# (function, options, dense twin (T, S[, is_causal]) -> mask)
+CASES = {
+    "local": (la.local_attention, dict(window_size=(4, 1), block_size=8),
+              lambda T, S: masks.local(T, S, (4, 1))),
+    "strided": (la.strided_attention, dict(stride=4, window_size=2, block_size=8),
+                lambda T, S: masks.strided(T, S, 4, 2)),
+    "block_sparse": (la.block_sparse_attention,
+                     dict(layout=np.tril(np.ones((6, 6), bool)) & ~np.eye(6, k=-2, dtype=bool),
+                          block_size=4),
+                     lambda T, S: masks.block_sparse(
+                         np.tril(np.ones((6, 6), bool)) & ~np.eye(6, k=-2, dtype=bool), 4, T, S)),
+    "longformer": (la.longformer_attention,
+                   dict(window_size=(2, 2), global_positions=(0, 7, 20), block_size=8),
+                   lambda T, S: masks.longformer(T, S, (2, 2), (0, 7, 20))),
+    "bigbird": (la.bigbird_attention,
+                dict(block_size=3, num_window_blocks=3, num_global_blocks=1,
+                     num_random_blocks=2, rng=7),
+                lambda T, S, causal: masks.bigbird(T, S, 3, num_window_blocks=3,
+                                                   num_global_blocks=1, num_random_blocks=2,
+                                                   rng=7, is_causal=causal)),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_blocked_equals_softmax_with_the_dense_twin(name, causal):
+  fn, options, dense = CASES[name]
+  q, k, v = make_qkv(SHAPE)
+  lengths = jnp.array([21, 13])
+  got = fn(q, k, v, is_causal=causal, key_value_seq_lengths=lengths, **options)
+  twin = dense(SHAPE.T, SHAPE.S, causal) if name == "bigbird" else dense(SHAPE.T, SHAPE.S)
+  want = la.softmax_attention(q, k, v, mask=twin, is_causal=causal,
+                              key_value_seq_lengths=lengths, implementation="xla")
+  assert_close(got, want, jnp.float32)
+
+
+def _largest_intermediate(jaxpr) -> int:
+  size = 0
+  for eqn in jaxpr.eqns:
+    for var in eqn.outvars:
+      size = max(size, int(np.prod(var.aval.shape)) if var.aval.shape else 1)
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      size = max(size, _largest_intermediate(sub))
+  return size
+
+
+@pytest.mark.parametrize("T", [512, 2048])
+def test_local_cost_follows_the_window_not_t_squared(T):
+  shape = Shape(B=1, T=T, S=T, N=2, K=1, H=4, D=4)
+  q, k, v = make_qkv(shape)
+
+  def loss(q, k, v):
+    out = la.local_attention(q, k, v, window_size=(16, 0), is_causal=True, block_size=16)
+    return jnp.sum(out ** 2)
+
+  jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v).jaxpr
+  # Scores are [B, K, G, T/16, 16, 16 + 16]: 32 keys per row, whatever T is.
+  assert _largest_intermediate(jaxpr) <= shape.N * T * 32
+
+
+def test_bigbird_layout_is_deterministic_and_causal_draws_come_from_the_past():
+  a = masks.bigbird_layout(12, num_global_blocks=2, num_random_blocks=3, rng=5)
+  np.testing.assert_array_equal(a, masks.bigbird_layout(12, num_global_blocks=2,
+                                                        num_random_blocks=3, rng=5))
+  assert not np.array_equal(a, masks.bigbird_layout(12, num_global_blocks=2,
+                                                    num_random_blocks=3, rng=6))
+  key = jax.random.key(3)
+  np.testing.assert_array_equal(masks.bigbird_layout(12, rng=key),
+                                masks.bigbird_layout(12, rng=key))
+  causal = masks.bigbird_layout(12, num_global_blocks=1, num_random_blocks=3, rng=5,
+                                is_causal=True)
+  assert not np.any(np.triu(causal, 1)), "a causal layout reaches a future block"
+  # Rows with enough past have their window (the diagonal and 2 back), global block 0 and
+  # 3 random blocks.
+  for row in range(7, 12):
+    assert causal[row].sum() == 1 + 3 + 3, causal[row]
+  assert np.all(a[:2]) and np.all(a[:, :2]), "global rows and columns are full"
+
+
+def test_bigbird_rejects_traced_rng():
+  q, k, v = make_qkv(Shape(B=1, T=8, S=8, N=2, K=1, H=4, D=4))
+  f = jax.jit(lambda rng: la.bigbird_attention(q, k, v, block_size=2, rng=rng))
+  with pytest.raises(ValueError, match="rng must be static"):
+    f(jax.random.key(0))
+
+
+def test_longformer_global_rows_see_everything():
+  q, k, v = make_qkv(SHAPE)
+  out = la.longformer_attention(q, k, v, window_size=1, global_positions=(5,))
+  full = la.softmax_attention_reference(q, k, v)
+  np.testing.assert_allclose(out[:, 5], full[:, 5], atol=1e-5)
+  assert not np.allclose(out[:, 6], full[:, 6], atol=1e-3)
+
+
+def test_block_sparse_per_head_layouts():
+  q, k, v = make_qkv(SHAPE)
+  rng = np.random.default_rng(0)
+  layout = rng.random((SHAPE.N, 6, 6)) > 0.5
+  got = la.block_sparse_attention(q, k, v, layout=layout, block_size=4)
+  want = la.softmax_attention_reference(q, k, v, mask=masks.block_sparse(layout, 4, 21, 21)[None])
+  assert_close(got, want, jnp.float32)
+
+
+def test_local_streaming_state_is_constant_in_position():
+  shape = Shape(B=1, T=40, S=40, N=2, K=1, H=4, D=3)
+  q, k, v = make_qkv(shape)
+  state = la.init_local_state(1, (5, 0), 1, 4, 3)
+  step = jax.jit(la.local_attention_step)
+  outs = []
+  for t in range(shape.T):
+    state, out = step(state, q[:, t], k[:, t], v[:, t])
+    outs.append(out)
+  assert state.keys.shape == (1, 6, 1, 4)  # left + 1 slots, after 40 tokens.
+  want = la.local_attention(q, k, v, window_size=(5, 0), is_causal=True)
+  assert_close(jnp.stack(outs, 1), want, jnp.float32)
+
+
+@pytest.mark.parametrize("call,match", [
+    (functools.partial(la.local_attention, window_size=-1), "window_size"),
+    (functools.partial(la.local_attention, window_size=(2, 1), block_size=0), "block_size"),
+    (functools.partial(la.strided_attention, stride=0), "stride"),
+    (functools.partial(la.block_sparse_attention, layout=np.ones((3, 3)), block_size=4),
+     r"layout must have shape \[6, 6\]"),
+    (functools.partial(la.block_sparse_attention, layout=np.ones((3, 6, 6)), block_size=4),
+     "per-head layout needs N=4"),
+    (functools.partial(la.longformer_attention, window_size=1, global_positions=(21,)),
+     "global_positions"),
+    (functools.partial(la.longformer_attention, window_size=1, global_positions=(-1,)),
+     "global_positions"),
+    (functools.partial(la.bigbird_attention, block_size=2, num_random_blocks=-1),
+     "num_random_blocks"),
+    (functools.partial(la.local_attention, window_size=1, implementation="dense"),
+     "unknown implementation"),
+])
+def test_bad_options_raise(call, match):
+  q, k, v = make_qkv(SHAPE)
+  with pytest.raises(ValueError, match=match):
+    call(q, k, v)
