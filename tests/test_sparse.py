@@ -155,3 +155,14 @@ def test_bad_options_raise(call, match):
   q, k, v = make_qkv(SHAPE)
   with pytest.raises(ValueError, match=match):
     call(q, k, v)
+
+
+@pytest.mark.parametrize("name", ["local", "strided", "block_sparse", "longformer", "bigbird"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_registered_dense_mask_is_the_twin(name, causal):
+  spec = la.get_spec(name)
+  q, k, v = make_qkv(Shape(B=1, T=12, S=12, N=2, K=1, H=4, D=3))
+  mask = spec.dense_mask(12, 12, is_causal=causal, **spec.what_options(spec.test_options))
+  got = spec.build(**spec.test_options)(q, k, v, is_causal=causal)
+  want = la.softmax_attention(q, k, v, mask=mask, is_causal=causal)
+  assert_close(got, want, jnp.float32)

@@ -70,6 +70,10 @@ class AttentionSpec:
       (e.g. a "parallel" summary form); with ``is_causal=True`` they must
       raise ValueError, and the shared suite checks that they do.
     streaming: how to run it token by token, or None.
+    dense_mask: for sparse patterns, ``dense_mask(T, S, *, is_causal,
+      **options) -> [.., T, S]`` bool: the mask with which softmax attention
+      equals this variant (``how_options`` are not passed). Benchmarks time
+      the masked dense path against it.
   """
 
   name: str
@@ -82,6 +86,7 @@ class AttentionSpec:
   supports_noncausal: bool = True
   noncausal_only: frozenset[str] = frozenset()
   streaming: StreamingSpec | None = None
+  dense_mask: Callable[..., Any] | None = None
 
   def supports(self, implementation: str | None, is_causal: bool) -> bool:
     """Whether ``implementation`` supports this causal mode."""
@@ -96,9 +101,13 @@ class AttentionSpec:
 
   def build_reference(self, **options: Any) -> AttentionFn:
     """The oracle with the non-``how`` options bound."""
-    what = {k: v for k, v in options.items() if k not in self.how_options}
+    what = self.what_options(options)
     _check_options(self.name, self.reference, what)
     return functools.partial(self.reference, **what)
+
+  def what_options(self, options: Mapping[str, Any]) -> dict[str, Any]:
+    """``options`` without the ``how_options``: those that define the result."""
+    return {k: v for k, v in options.items() if k not in self.how_options}
 
 
 _UNIFORM = ("is_causal", "key_value_seq_lengths")

@@ -494,22 +494,35 @@ def _init_local_like(query, key, value, *, window_size):
 
 
 def _spec(name: str, function: Callable[..., Any], pattern_options: dict[str, Any],
-          block_size: int | None = None, **kw: Any) -> AttentionSpec:
+          dense_mask: Callable[..., Any], block_size: int | None = None,
+          **kw: Any) -> AttentionSpec:
   """Registers a sparse variant; its oracle is the same function's reference path."""
   how = {"implementation"} | ({"block_size"} if block_size is not None else set())
   test = dict(pattern_options, **({"block_size": block_size} if block_size is not None else {}))
   return register_attention(AttentionSpec(
       name=name, function=function,
       reference=functools.partial(function, implementation="reference"),
-      how_options=frozenset(how), implementations=IMPLEMENTATIONS, test_options=test, **kw))
+      how_options=frozenset(how), implementations=IMPLEMENTATIONS, test_options=test,
+      dense_mask=dense_mask, **kw))
 
 
-_spec("local", local_attention, {"window_size": (3, 2)}, block_size=4,
+_spec("local", local_attention, {"window_size": (3, 2)},
+      lambda T, S, *, is_causal, window_size: masks_lib.local(T, S, window_size),
+      block_size=4,
       streaming=StreamingSpec(init=_init_local_like, step=local_attention_step,
                               state_passing=False))
-_spec("strided", strided_attention, {"stride": 3, "window_size": (2, 1)}, block_size=4)
-_spec("block_sparse", block_sparse_attention, {"layout": _example_layout, "block_size": 3})
+_spec("strided", strided_attention, {"stride": 3, "window_size": (2, 1)},
+      lambda T, S, *, is_causal, stride, window_size=None: masks_lib.strided(
+          T, S, stride, window_size),
+      block_size=4)
+_spec("block_sparse", block_sparse_attention, {"layout": _example_layout, "block_size": 3},
+      lambda T, S, *, is_causal, layout, block_size: masks_lib.block_sparse(
+          _check_layout(layout, T, S, block_size, "block_sparse")[0], block_size, T, S))
 _spec("longformer", longformer_attention, {"window_size": (2, 1), "global_positions": (0, 3)},
+      lambda T, S, *, is_causal, window_size, global_positions=(): masks_lib.longformer(
+          T, S, window_size, global_positions),
       block_size=4)
 _spec("bigbird", bigbird_attention, {"block_size": 2, "num_window_blocks": 3,
-                                     "num_global_blocks": 1, "num_random_blocks": 1, "rng": 0})
+                                     "num_global_blocks": 1, "num_random_blocks": 1, "rng": 0},
+      lambda T, S, *, is_causal, block_size, **counts: masks_lib.bigbird(
+          T, S, block_size, is_causal=is_causal, **counts))
