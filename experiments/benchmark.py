@@ -74,6 +74,10 @@ _OPTIONS = flags.DEFINE_string(
     "options", None,
     "JSON dict of options for get_attention, applied to every variant, "
     "e.g. '{\"block_q\": 256}' (with --variants=flash).")
+_MASKED_BASELINE = flags.DEFINE_bool(
+    "masked_baseline", True,
+    "For sparse variants (those with a dense_mask), also time softmax_attention's XLA path "
+    "with the equivalent dense mask.")
 _MATMUL_BASELINE = flags.DEFINE_bool(
     "matmul_baseline", True, "Time the batched-matmul baseline at every length.")
 
@@ -81,6 +85,7 @@ MODES = ("forward", "backward")
 # Labels of the two baselines in the records and plots.
 XLA_VARIANT, XLA_IMPLEMENTATION = "jax_dpa", "xla"
 MATMUL_VARIANT, MATMUL_IMPLEMENTATION = "matmul", "einsum_f32"
+MASKED_IMPLEMENTATION = "xla+mask"
 _SEED = 0
 _MIB = 2**20
 _GIB = 2**30
@@ -108,10 +113,15 @@ class Config:
   max_memory_fraction: float
   options: Mapping[str, Any]
   matmul_baseline: bool
+  masked_baseline: bool = True
 
 
 class Case(NamedTuple):
-  """One measurement: ``kind`` is "attention", "xla" or "matmul"."""
+  """One measurement: ``kind`` is "attention", "xla", "masked" or "matmul".
+
+  "masked" is softmax attention's XLA path with the dense twin of the sparse
+  variant ``variant``.
+  """
 
   kind: str
   variant: str
@@ -156,6 +166,7 @@ def config_from_flags() -> Config:
       max_memory_fraction=_MAX_MEMORY_FRACTION.value,
       options=_parse_options(_OPTIONS.value),
       matmul_baseline=_MATMUL_BASELINE.value,
+      masked_baseline=_MASKED_BASELINE.value,
   )
   _validate(config)
   return config
@@ -236,6 +247,9 @@ def plan_cases(config: Config) -> list[Case]:
       cases.append(Case("matmul", MATMUL_VARIANT, MATMUL_IMPLEMENTATION, length, "forward"))
     for mode in config.modes:
       cases.append(Case("xla", XLA_VARIANT, XLA_IMPLEMENTATION, length, mode))
+      masked = [name for name in dict.fromkeys(name for name, _ in attention)
+                if config.masked_baseline and linattn_jax.get_spec(name).dense_mask is not None]
+      cases.extend(Case("masked", name, MASKED_IMPLEMENTATION, length, mode) for name in masked)
       cases.extend(Case("attention", name, impl, length, mode) for name, impl in attention)
   return cases
 
@@ -256,9 +270,12 @@ def make_inputs(config: Config, length: int) -> Inputs:
 
 
 def attention_function(config: Config, case: Case) -> Callable[..., jax.Array]:
-  """``fn(q, k, v)`` of an attention or XLA case, ``is_causal`` bound."""
+  """``fn(q, k, v, *extra)`` of an attention, XLA or masked case, ``is_causal`` bound."""
   if case.kind == "xla":
     fn = functools.partial(jax.nn.dot_product_attention, implementation="xla")
+  elif case.kind == "masked":
+    fn = lambda q, k, v, mask, **kw: linattn_jax.softmax_attention(  # noqa: E731
+        q, k, v, mask=mask, implementation="xla", **kw)
   else:
     options = dict(config.options)
     if case.implementation is not None:
@@ -267,11 +284,19 @@ def attention_function(config: Config, case: Case) -> Callable[..., jax.Array]:
   return functools.partial(fn, is_causal=config.causal)
 
 
-def forward_backward(attention: Callable[..., jax.Array]) -> Callable[..., Any]:
-  """``fn(q, k, v, ct)``: gradients of ``sum(attention(q, k, v) * ct)`` w.r.t. q, k, v."""
+def dense_twin(config: Config, case: Case) -> jax.Array:
+  """The dense mask with which softmax attention equals sparse variant ``case.variant``."""
+  spec = linattn_jax.get_spec(case.variant)
+  return jnp.asarray(spec.dense_mask(case.length, case.length, is_causal=config.causal,
+                                     **spec.what_options(config.options)))
 
-  def fn(query, key, value, cotangent):
-    _, pullback = jax.vjp(attention, query, key, value)
+
+def forward_backward(attention: Callable[..., jax.Array]) -> Callable[..., Any]:
+  """``fn(q, k, v, ct, *extra)``: gradients of ``sum(attention(q, k, v, *extra) * ct)``
+  w.r.t. q, k, v."""
+
+  def fn(query, key, value, cotangent, *extra):
+    _, pullback = jax.vjp(lambda q, k, v: attention(q, k, v, *extra), query, key, value)
     return pullback(cotangent)
 
   return fn
@@ -288,9 +313,10 @@ def case_function(config: Config, case: Case, inputs: Inputs) -> tuple[Callable,
     return batched_matmul, (inputs.lhs, inputs.rhs)
   attention = attention_function(config, case)
   qkv = (inputs.query, inputs.key, inputs.value)
+  extra = (dense_twin(config, case),) if case.kind == "masked" else ()
   if case.mode == "forward":
-    return attention, qkv
-  return forward_backward(attention), qkv + (inputs.cotangent,)
+    return attention, qkv + extra
+  return forward_backward(attention), qkv + (inputs.cotangent,) + extra
 
 
 def softmax_flops(batch: int, heads: int, length: int, key_length: int, head_dim: int,
@@ -324,7 +350,7 @@ def case_flops(config: Config, case: Case) -> float | None:
   B, N, T = config.batch, config.heads, case.length
   if case.kind == "matmul":
     return 2.0 * B * N * T * config.head_dim * config.value_dim
-  counter = softmax_flops if case.kind == "xla" else USEFUL_FLOPS.get(case.variant)
+  counter = softmax_flops if case.kind in ("xla", "masked") else USEFUL_FLOPS.get(case.variant)
   if counter is None:
     return None
   return counter(B, N, T, T, config.head_dim, config.value_dim,
@@ -402,14 +428,22 @@ def run_case(config: Config, case: Case, inputs: Inputs) -> dict[str, Any]:
 
 
 def add_ratios(record: dict[str, Any], earlier: Sequence[dict[str, Any]]) -> None:
-  """Adds ``ratio_vs_xla`` and ``fraction_of_matmul_rate`` from same-length baselines."""
+  """Adds ``ratio_vs_xla``, ``ratio_vs_masked_xla``, ``memory_vs_masked_xla`` and
+  ``fraction_of_matmul_rate`` from same-length baselines."""
   if record["kind"] == "matmul":
     return
   for base in earlier:
     if base.get("status") != "ok" or base["length"] != record["length"]:
       continue
-    if base["kind"] == "xla" and base["mode"] == record["mode"] and "median_s" in record:
+    same_mode = base["mode"] == record["mode"] and "median_s" in record
+    if base["kind"] == "xla" and same_mode:
       record["ratio_vs_xla"] = record["median_s"] / base["median_s"]
+    if (base["kind"] == "masked" and same_mode and record["kind"] == "attention"
+        and base["variant"] == record["variant"]):
+      record["ratio_vs_masked_xla"] = record["median_s"] / base["median_s"]
+      temp, base_temp = (r["memory"]["temp_size_in_bytes"] for r in (record, base))
+      if temp is not None and base_temp:
+        record["memory_vs_masked_xla"] = temp / base_temp
     if base["kind"] == "matmul" and "gflops" in record:
       record["matmul_gflops"] = base["gflops"]
       record["fraction_of_matmul_rate"] = record["gflops"] / base["gflops"]
@@ -418,13 +452,13 @@ def add_ratios(record: dict[str, Any], earlier: Sequence[dict[str, Any]]) -> Non
 # ---------------------------------------------------------------- output ---
 
 _ROW_START = "{:>9} {:<10} {:<10} {:>6} {:<9}"
-_ROW_END = " {:>10} {:>7} {:>9} {:>9}  {}"
+_ROW_END = " {:>10} {:>7} {:>8} {:>9} {:>9}  {}"
 
 
 def print_header() -> None:
   """Prints the column titles of the progress table."""
   start = _ROW_START.format("case", "variant", "impl", "T", "mode")
-  end = _ROW_END.format("median_ms", "x_xla", "GFLOP/s", "temp_MiB", "status")
+  end = _ROW_END.format("median_ms", "x_xla", "x_masked", "GFLOP/s", "temp_MiB", "status")
   print(start + end, flush=True)
 
 
@@ -440,6 +474,7 @@ def print_row_end(record: dict[str, Any]) -> None:
   print(_ROW_END.format(
       _format(record.get("median_s"), 1e3, ".3f"),
       _format(record.get("ratio_vs_xla"), 1, ".2f"),
+      _format(record.get("ratio_vs_masked_xla"), 1, ".3f"),
       _format(record.get("gflops"), 1, ".1f"),
       _format(temp, 1 / _MIB, ".1f"),
       record["status"],

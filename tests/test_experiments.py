@@ -24,3 +24,17 @@ def test_benchmark_runs_and_writes_ratios(tmp_path):
     assert case["ratio_vs_xla"] > 0 and case["fraction_of_matmul_rate"] > 0
     assert case["memory"]["temp_size_in_bytes"] is not None
   assert (tmp_path / "memory.png").exists()
+
+
+def test_benchmark_times_sparse_variants_against_their_masked_dense_twin(tmp_path):
+  config = benchmark.Config(
+      variants=("local",), implementations=("blocked",), lengths=(48,), batch=1, heads=2,
+      kv_heads=2, head_dim=8, value_dim=8, dtype="float32", causal=True,
+      modes=("forward", "backward"), repeats=1, warmup=0, output_dir=str(tmp_path), plot=False,
+      max_memory_fraction=0.7, options={"window_size": [8, 0], "block_size": 8},
+      matmul_baseline=False, masked_baseline=True)
+  cases = benchmark.run_benchmark(config)["cases"]
+  assert [c["kind"] for c in cases] == ["xla", "masked", "attention"] * 2
+  assert all(c["status"] == "ok" for c in cases), [c["status"] for c in cases]
+  for case in cases[2::3]:
+    assert case["ratio_vs_masked_xla"] > 0 and case["memory_vs_masked_xla"] > 0
