@@ -131,7 +131,7 @@ def test_gradient_finite_differences_float64(case, is_causal, padded):
     if not _check_or_expect_error(spec, impl, fast, q, k, v, is_causal):
       return
     lengths = jnp.asarray([3], jnp.int32) if padded else None
-    f = functools.partial(_call, fast, is_causal=is_causal, lengths=lengths)
+    f = jax.jit(functools.partial(_call, fast, is_causal=is_causal, lengths=lengths))
     # 1e-3, not tighter: the "xla" path (jax.nn) takes its softmax in float32
     # even for float64 inputs. A wrong gradient is off by far more.
     jax.test_util.check_grads(f, (q, k, v), order=1, modes=("rev",), atol=1e-3, rtol=1e-3)
@@ -149,7 +149,8 @@ def test_causal_jacobian_has_no_future_dependence(case, shape):
   spec, impl = case
   fast, _ = build(spec, impl)
   q, k, v = make_qkv(shape)
-  jac = jax.jacrev(functools.partial(_call, fast, is_causal=True), argnums=(0, 1, 2))(q, k, v)
+  jac = jax.jit(jax.jacrev(functools.partial(_call, fast, is_causal=True), argnums=(0, 1, 2)))(
+      q, k, v)
   # dependence[t, j]: does any output entry at t depend on input position j?
   dep = [np.asarray(jnp.abs(j).sum(axis=(0, 2, 3, 4, 6, 7))) for j in jac]
   t = np.arange(shape.T)[:, None]
