@@ -433,18 +433,23 @@ def add_ratios(record: dict[str, Any], earlier: Sequence[dict[str, Any]]) -> Non
   if record["kind"] == "matmul":
     return
   for base in earlier:
-    if base.get("status") != "ok" or base["length"] != record["length"]:
+    if base["length"] != record["length"]:
       continue
-    same_mode = base["mode"] == record["mode"] and "median_s" in record
-    if base["kind"] == "xla" and same_mode:
-      record["ratio_vs_xla"] = record["median_s"] / base["median_s"]
-    if (base["kind"] == "masked" and same_mode and record["kind"] == "attention"
-        and base["variant"] == record["variant"]):
-      record["ratio_vs_masked_xla"] = record["median_s"] / base["median_s"]
-      temp, base_temp = (r["memory"]["temp_size_in_bytes"] for r in (record, base))
+    same_mode = base["mode"] == record["mode"]
+    twin = (base["kind"] == "masked" and same_mode and record["kind"] == "attention"
+            and base["variant"] == record["variant"])
+    if twin:  # Compiled memory is known even for a baseline too big to run.
+      temp, base_temp = ((r.get("memory") or {}).get("temp_size_in_bytes")
+                         for r in (record, base))
       if temp is not None and base_temp:
         record["memory_vs_masked_xla"] = temp / base_temp
-    if base["kind"] == "matmul" and "gflops" in record:
+    if base.get("status") != "ok" or "median_s" not in record:
+      continue
+    if base["kind"] == "xla" and same_mode:
+      record["ratio_vs_xla"] = record["median_s"] / base["median_s"]
+    if twin:
+      record["ratio_vs_masked_xla"] = record["median_s"] / base["median_s"]
+    if base["kind"] == "matmul" and "gflops" in record and "gflops" in base:
       record["matmul_gflops"] = base["gflops"]
       record["fraction_of_matmul_rate"] = record["gflops"] / base["gflops"]
 
