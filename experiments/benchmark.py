@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import functools
+import inspect
 import itertools
 import json
 import os
@@ -60,7 +61,8 @@ _DTYPE = flags.DEFINE_enum(
 _CAUSAL = flags.DEFINE_bool("causal", True, "Pass is_causal=True.")
 _MODES = flags.DEFINE_list(
     "modes", ["forward", "backward"],
-    "forward, and/or backward (forward + gradients w.r.t. q, k, v).")
+    "forward, backward (forward + gradients w.r.t. q, k, v) and/or step (one streaming "
+    "decode step at position T, after a prefill of T tokens; streaming variants only).")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed calls per case.")
 _WARMUP = flags.DEFINE_integer("warmup", 1, "Untimed calls before timing.")
 _OUTPUT_DIR = flags.DEFINE_string(
@@ -81,7 +83,7 @@ _MASKED_BASELINE = flags.DEFINE_bool(
 _MATMUL_BASELINE = flags.DEFINE_bool(
     "matmul_baseline", True, "Time the batched-matmul baseline at every length.")
 
-MODES = ("forward", "backward")
+MODES = ("forward", "backward", "step")
 # Labels of the two baselines in the records and plots.
 XLA_VARIANT, XLA_IMPLEMENTATION = "jax_dpa", "xla"
 MATMUL_VARIANT, MATMUL_IMPLEMENTATION = "matmul", "einsum_f32"
@@ -234,6 +236,12 @@ def _supports(name: str, causal: bool) -> bool:
   return spec.supports_causal if causal else spec.supports_noncausal
 
 
+def _streams(name: str) -> bool:
+  """Whether variant ``name`` has a step function and returns its state after a pass."""
+  streaming = linattn_jax.get_spec(name).streaming
+  return streaming is not None and streaming.state_passing
+
+
 def plan_cases(config: Config) -> list[Case]:
   """All cases, length by length; baselines come first so ratios can be quoted at once."""
   attention = [
@@ -246,6 +254,10 @@ def plan_cases(config: Config) -> list[Case]:
     if config.matmul_baseline:
       cases.append(Case("matmul", MATMUL_VARIANT, MATMUL_IMPLEMENTATION, length, "forward"))
     for mode in config.modes:
+      if mode == "step":
+        cases.extend(Case("attention", name, impl, length, mode) for name, impl in attention
+                     if _streams(name) and linattn_jax.get_spec(name).supports(impl, True))
+        continue
       cases.append(Case("xla", XLA_VARIANT, XLA_IMPLEMENTATION, length, mode))
       masked = [name for name in dict.fromkeys(name for name, _ in attention)
                 if config.masked_baseline and linattn_jax.get_spec(name).dense_mask is not None]
@@ -311,12 +323,29 @@ def case_function(config: Config, case: Case, inputs: Inputs) -> tuple[Callable,
   """The function a case times and its arguments."""
   if case.kind == "matmul":
     return batched_matmul, (inputs.lhs, inputs.rhs)
+  if case.mode == "step":
+    return decode_step(config, case, inputs)
   attention = attention_function(config, case)
   qkv = (inputs.query, inputs.key, inputs.value)
-  extra = (dense_twin(config, case),) if case.kind == "masked" else ()
+  extra = (functools.partial(dense_twin, config, case),) if case.kind == "masked" else ()
   if case.mode == "forward":
     return attention, qkv + extra
   return forward_backward(attention), qkv + (inputs.cotangent,) + extra
+
+
+def decode_step(config: Config, case: Case, inputs: Inputs) -> tuple[Callable, tuple]:
+  """One streaming step after a causal prefill of ``case.length`` tokens, and its arguments."""
+  spec = linattn_jax.get_spec(case.variant)
+  options = dict(config.options)
+  if case.implementation is not None:
+    options["implementation"] = case.implementation
+  prefill = jax.jit(functools.partial(spec.build(**options), is_causal=True, return_state=True))
+  _, state = prefill(inputs.query, inputs.key, inputs.value)
+  step = spec.streaming.step
+  names = inspect.signature(step).parameters
+  step = functools.partial(step, **{k: v for k, v in options.items() if k in names})
+  last = tuple(x[:, -1] for x in (inputs.query, inputs.key, inputs.value))
+  return step, (state,) + last
 
 
 def softmax_flops(batch: int, heads: int, length: int, key_length: int, head_dim: int,
@@ -396,15 +425,21 @@ def time_executable(compiled: Any, args: Sequence[Any], *, warmup: int,
 
 
 def measure(fn: Callable, args: Sequence[Any], config: Config) -> dict[str, Any]:
-  """Compiles ``fn``, records its memory, and times it unless it needs too much."""
-  compiled, compile_s = compile_function(fn, args)
+  """Compiles ``fn``, records its memory, and times it unless it needs too much.
+
+  An argument may be a zero-argument callable (a large array such as a dense
+  mask): it is compiled from its shape and only built if the case runs.
+  """
+  abstract = [jax.eval_shape(a) if callable(a) else a for a in args]
+  compiled, compile_s = compile_function(fn, abstract)
   memory = memory_stats(compiled)
   record: dict[str, Any] = {"compile_s": compile_s, "memory": memory}
   needed = sum(v for v in memory.values() if v is not None)
   if needed > config.max_memory_fraction * physical_memory_bytes():
     record["status"] = f"skipped: needs {needed / _GIB:.3g} GiB"
     return record
-  times = time_executable(compiled, args, warmup=config.warmup, repeats=config.repeats)
+  concrete = [a() if callable(a) else a for a in args]
+  times = time_executable(compiled, concrete, warmup=config.warmup, repeats=config.repeats)
   record.update(status="ok", times_s=times, median_s=statistics.median(times),
                 min_s=min(times))
   return record
