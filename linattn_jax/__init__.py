@@ -16,6 +16,16 @@ from linattn_jax._src.registry import (
     register_attention,
 )
 from linattn_jax._src.softmax import softmax_attention, softmax_attention_reference
+from linattn_jax._src.sparse import (
+    LocalState,
+    bigbird_attention,
+    block_sparse_attention,
+    init_local_state,
+    local_attention,
+    local_attention_step,
+    longformer_attention,
+    strided_attention,
+)
 
 __version__ = "0.1.0"
 
@@ -23,12 +33,20 @@ __all__ = [
     "AttentionFn",
     "AttentionSpec",
     "available_attentions",
+    "bigbird_attention",
+    "block_sparse_attention",
     "flash_attention",
     "get_attention",
     "get_spec",
+    "init_local_state",
+    "local_attention",
+    "local_attention_step",
+    "LocalState",
+    "longformer_attention",
     "masks",
     "register_attention",
     "softmax_attention",
     "softmax_attention_reference",
     "StreamingSpec",
+    "strided_attention",
 ]
