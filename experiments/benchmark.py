@@ -367,10 +367,27 @@ def softmax_flops(batch: int, heads: int, length: int, key_length: int, head_dim
   return forward if mode == "forward" else 3.0 * forward
 
 
+def linear_flops(batch: int, heads: int, length: int, key_length: int, head_dim: int,
+                 value_dim: int, *, mode: str, causal: bool) -> float:
+  """Useful floating-point operations of kernel linear attention with M = H features.
+
+  Forward ``4·B·N·T·M·D``: building the ``[M, D]`` summaries ``Σ φ(k) vᵀ``
+  (``2·M·D`` per token) and reading them with ``φ(q)`` (``2·M·D`` per
+  token), causal or not; ``backward`` (forward plus backward) counts 3x.
+  Intra-chunk products of the chunked form are work an implementation
+  chooses and are not counted.
+  """
+  del key_length, causal
+  forward = 4.0 * batch * heads * length * head_dim * value_dim
+  return forward if mode == "forward" else 3.0 * forward
+
+
 # Useful-FLOP counters by registry name; variants not listed report no rate.
 USEFUL_FLOPS: dict[str, Callable[..., float]] = {
     "softmax": softmax_flops,
     "flash": softmax_flops,
+    "linear_elu": linear_flops,
+    "linear_relu": linear_flops,
 }
 
 
