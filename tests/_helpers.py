@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 
@@ -101,3 +102,14 @@ def build(spec, impl, **options):
   if impl is not None:
     options["implementation"] = impl
   return spec.build(**options), spec.build_reference(**options)
+
+
+def largest_intermediate(jaxpr) -> int:
+  """Element count of the largest value a jaxpr (and its sub-jaxprs) produces."""
+  size = 0
+  for eqn in jaxpr.eqns:
+    for var in eqn.outvars:
+      size = max(size, int(np.prod(var.aval.shape)) if var.aval.shape else 1)
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      size = max(size, largest_intermediate(sub))
+  return size

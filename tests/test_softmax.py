@@ -10,7 +10,7 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _helpers import Shape, assert_close, make_qkv
+from _helpers import Shape, assert_close, largest_intermediate, make_qkv
 
 import linattn_jax as la
 from linattn_jax._src import softmax as softmax_module
@@ -173,16 +173,6 @@ def test_default_implementation_switches_to_flash_for_long_inputs(monkeypatch):
   assert not uses_flash(bias=bias)  # A dense bias keeps the XLA path.
 
 
-def _largest_intermediate(jaxpr) -> int:
-  size = 0
-  for eqn in jaxpr.eqns:
-    for var in eqn.outvars:
-      size = max(size, int(np.prod(var.aval.shape)) if var.aval.shape else 1)
-    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-      size = max(size, _largest_intermediate(sub))
-  return size
-
-
 @pytest.mark.parametrize("causal", [False, True])
 def test_flash_never_forms_a_t_by_s_array(causal):
   shape = Shape(B=1, T=256, S=256, N=2, K=1, H=8, D=8)
@@ -193,10 +183,10 @@ def test_flash_never_forms_a_t_by_s_array(causal):
     return jnp.sum(out ** 2)
 
   jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v).jaxpr
-  biggest = _largest_intermediate(jaxpr)
+  biggest = largest_intermediate(jaxpr)
   assert biggest < shape.T * shape.S, f"an intermediate has {biggest} elements"
   dense = jax.make_jaxpr(functools.partial(la.softmax_attention, implementation="xla"))(q, k, v)
-  assert _largest_intermediate(dense.jaxpr) >= shape.N * shape.T * shape.S  # The check can fail.
+  assert largest_intermediate(dense.jaxpr) >= shape.N * shape.T * shape.S  # The check can fail.
 
 
 @pytest.mark.parametrize("block_q,block_k", [(1, 3), (64, 64), (5, 2)])

@@ -10,7 +10,7 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _helpers import Shape, assert_close, make_qkv
+from _helpers import Shape, assert_close, largest_intermediate, make_qkv
 
 import linattn_jax as la
 from linattn_jax import masks
@@ -53,16 +53,6 @@ def test_blocked_equals_softmax_with_the_dense_twin(name, causal):
   assert_close(got, want, jnp.float32)
 
 
-def _largest_intermediate(jaxpr) -> int:
-  size = 0
-  for eqn in jaxpr.eqns:
-    for var in eqn.outvars:
-      size = max(size, int(np.prod(var.aval.shape)) if var.aval.shape else 1)
-    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-      size = max(size, _largest_intermediate(sub))
-  return size
-
-
 @pytest.mark.parametrize("T", [512, 2048])
 def test_local_cost_follows_the_window_not_t_squared(T):
   shape = Shape(B=1, T=T, S=T, N=2, K=1, H=4, D=4)
@@ -74,7 +64,7 @@ def test_local_cost_follows_the_window_not_t_squared(T):
 
   jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v).jaxpr
   # Scores are [B, K, G, T/16, 16, 16 + 16]: 32 keys per row, whatever T is.
-  assert _largest_intermediate(jaxpr) <= shape.N * T * 32
+  assert largest_intermediate(jaxpr) <= shape.N * T * 32
 
 
 def test_bigbird_layout_is_deterministic_and_causal_draws_come_from_the_past():
