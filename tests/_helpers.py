@@ -88,7 +88,7 @@ def spec_cases():
   """``(spec, implementation)`` for every registered implementation."""
   return [(spec, impl)
           for spec in map(la.get_spec, la.available_attentions())
-          for impl in spec.implementations]
+          for impl in (spec.suite_implementations or spec.implementations)]
 
 
 def case_id(case) -> str:

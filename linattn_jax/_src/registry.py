@@ -60,8 +60,12 @@ class AttentionSpec:
     reference: its oracle, taking the same keywords minus ``how_options``.
     how_options: options that choose how the result is computed, not what
       it is (e.g. ``implementation``, block sizes); not passed to the oracle.
-    implementations: values of ``implementation=`` the shared suite runs
-      (``(None,)`` when the function has no such option).
+    implementations: values of ``implementation=`` the function offers
+      (``(None,)`` when it has no such option).
+    suite_implementations: the subset the shared suite runs (None: all).
+      A variant that only swaps one ingredient of an engine another
+      registered variant already covers in full (e.g. a different feature
+      map) lists fewer, to keep the suite's cost proportional to the code.
     test_options: options the shared suite uses on its small shapes (e.g.
       small blocks, so that several blocks and a partial one are exercised).
     supports_causal: whether ``is_causal=True`` is supported.
@@ -81,12 +85,19 @@ class AttentionSpec:
   reference: Callable[..., Any]
   how_options: frozenset[str] = frozenset({"implementation"})
   implementations: tuple[str | None, ...] = (None,)
+  suite_implementations: tuple[str | None, ...] | None = None
   test_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   supports_causal: bool = True
   supports_noncausal: bool = True
   noncausal_only: frozenset[str] = frozenset()
   streaming: StreamingSpec | None = None
   dense_mask: Callable[..., Any] | None = None
+
+  def __post_init__(self):
+    extra = set(self.suite_implementations or ()) - set(self.implementations)
+    if extra:
+      raise ValueError(f"AttentionSpec {self.name!r}: suite_implementations {sorted(extra)} "
+                       f"are not among implementations {self.implementations}.")
 
   def supports(self, implementation: str | None, is_causal: bool) -> bool:
     """Whether ``implementation`` supports this causal mode."""
