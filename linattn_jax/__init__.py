@@ -4,8 +4,22 @@ Layout ``[B, T, N, H]`` for queries and ``[B, S, K, H]`` / ``[B, S, K, D]``
 for keys and values, as in ``jax.nn.dot_product_attention``.
 """
 
-from linattn_jax import masks
+from linattn_jax import feature_maps, masks
 from linattn_jax._src.flash import flash_attention
+from linattn_jax._src.linear import (
+    LinearState,
+    init_linear_state,
+    linear_attention,
+    linear_attention_reference,
+    linear_attention_step,
+)
+from linattn_jax._src.performer import (
+    PerformerState,
+    init_performer_state,
+    performer_attention,
+    performer_attention_reference,
+    performer_attention_step,
+)
 from linattn_jax._src.registry import (
     AttentionFn,
     AttentionSpec,
@@ -35,15 +49,26 @@ __all__ = [
     "available_attentions",
     "bigbird_attention",
     "block_sparse_attention",
+    "feature_maps",
     "flash_attention",
     "get_attention",
     "get_spec",
+    "init_linear_state",
     "init_local_state",
+    "init_performer_state",
+    "linear_attention",
+    "linear_attention_reference",
+    "linear_attention_step",
+    "LinearState",
     "local_attention",
     "local_attention_step",
     "LocalState",
     "longformer_attention",
     "masks",
+    "performer_attention",
+    "performer_attention_reference",
+    "performer_attention_step",
+    "PerformerState",
     "register_attention",
     "softmax_attention",
     "softmax_attention_reference",

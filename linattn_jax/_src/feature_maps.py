@@ -1,0 +1,308 @@
+"""Feature maps φ for kernel (linear) attention, and random projections.
+
+A feature map turns a query or key ``x`` of shape ``[..., H]`` into features
+``φ(x)`` of shape ``[..., M]`` so that ``φ(q)·φ(k)`` stands in for a
+similarity ``sim(q, k)``; linear attention then needs only the sums
+``Σ_j φ(k_j) v_jᵀ`` and ``Σ_j φ(k_j)``. The calling convention is::
+
+    phi(x, *, is_query=False) -> [..., M]
+
+Deterministic maps (``elu_plus_one``, ``relu``, ``exp``) are plain functions.
+The random-feature maps estimate the softmax kernel ``exp(q·k / √H)``
+(Choromanski et al., 2021); with ``x̂ = x / H^(1/4)`` and projection rows
+``w_1..w_M ~ N(0, I_H)``:
+
+- ``favor_plus`` (positive features):
+  ``φ(x) = exp(W x̂ - ‖x̂‖²/2) / √M``, since
+  ``E_w[exp(w·(q̂ + k̂))] = exp(‖q̂ + k̂‖²/2)``;
+- ``random_fourier`` (trigonometric, signed, size 2M):
+  ``φ(x) = exp(‖x̂‖²/2) [sin(W x̂), cos(W x̂)] / √M``, since
+  ``E_w[cos(w·(q̂ - k̂))] = exp(-‖q̂ - k̂‖²/2)``.
+
+Both give ``E[φ(q)·φ(k)] = exp(q̂·k̂) = exp(q·k / √H)``.
+
+Maps built by the factories here are small frozen dataclasses. They hash and
+compare by identity (``eq=False``), so they can be passed as static options
+under ``jax.jit``: reuse one object to reuse the compiled function (a new
+object, even with equal arrays, compiles anew).
+
+The random-feature maps also provide ``log_scaled(x, *, is_query) ->
+(features, log_scale)`` with ``φ(x) = exp(log_scale)[..., None] * features``
+and features of magnitude at most 1, which ``performer_attention`` uses to
+keep the kernel finite for any input size.
+
+References:
+  Katharopoulos et al., "Transformers are RNNs: Fast Autoregressive
+  Transformers with Linear Attention", 2020 (elu + 1).
+  Choromanski et al., "Rethinking Attention with Performers", 2021 (FAVOR+,
+  orthogonal random features).
+  Rahimi & Recht, "Random Features for Large-Scale Kernel Machines", 2007.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, ClassVar, Protocol
+
+import jax
+import jax.numpy as jnp
+
+from linattn_jax._src.blocks import num_blocks
+from linattn_jax._src.checks import accumulation_dtype, check_positive_int
+
+
+class FeatureMap(Protocol):
+  """``phi(x, *, is_query=False) -> [..., M]`` for ``x`` of shape ``[..., H]``."""
+
+  def __call__(self, x: jax.Array, *, is_query: bool = False) -> jax.Array:
+    ...
+
+
+# Deterministic maps ----------------------------------------------------------
+
+
+def elu_plus_one(x: jax.Array, *, is_query: bool = False) -> jax.Array:
+  """``elu(x) + 1``: ``x + 1`` for ``x > 0``, ``exp(x)`` otherwise (M = H).
+
+  Each branch is evaluated directly rather than as ``(exp(x) - 1) + 1``, which
+  rounds to 0 in bfloat16 for moderately negative ``x``. The result is
+  positive wherever ``exp(x)`` is representable.
+  """
+  del is_query
+  return jnp.where(x > 0, x + 1, jnp.exp(jnp.minimum(x, 0)))
+
+
+def relu(x: jax.Array, *, is_query: bool = False) -> jax.Array:
+  """``max(x, 0)`` (M = H). A row of zeros makes a query's kernel row zero."""
+  del is_query
+  return jax.nn.relu(x)
+
+
+def exp(x: jax.Array, *, is_query: bool = False) -> jax.Array:
+  """``exp(x)`` elementwise (M = H); unbounded, so keep inputs moderate."""
+  del is_query
+  return jnp.exp(x)
+
+
+def _check_head_dim(fn: str, what: str, shape: tuple[int, ...], axis: int, x: jax.Array) -> None:
+  if shape[axis] != x.shape[-1]:
+    raise ValueError(
+        f"{fn}: {what} = {tuple(shape)} does not match inputs x of shape "
+        f"{tuple(x.shape)} (head dim H={x.shape[-1]})."
+    )
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Projected:
+  """A learnable map ``φ(x) = elu(x W + b) + 1`` (see :func:`projected`)."""
+
+  weight: jax.Array  # [H, M]
+  bias: jax.Array  # [M]
+
+  def __call__(self, x: jax.Array, *, is_query: bool = False) -> jax.Array:
+    _check_head_dim("projected", "weight [H, M]", self.weight.shape, 0, x)
+    return elu_plus_one(x @ self.weight.astype(x.dtype) + self.bias.astype(x.dtype))
+
+
+def projected(weight: Any, bias: Any) -> Projected:
+  """A learnable feature map ``φ(x) = elu(x W + b) + 1``.
+
+  Args:
+    weight: ``[H, M]``.
+    bias: ``[M]``.
+
+  Returns:
+    A hashable (by identity) feature map with the parameters as fields; build
+    it inside the function you differentiate to get gradients for them.
+
+  Raises:
+    ValueError: if ``weight`` is not rank 2 or ``bias`` is not ``[M]``.
+  """
+  weight, bias = jnp.asarray(weight), jnp.asarray(bias)
+  if weight.ndim != 2 or bias.shape != weight.shape[1:]:
+    raise ValueError(
+        f"projected: weight must be [H, M] and bias [M]; got weight {weight.shape}, "
+        f"bias {bias.shape}."
+    )
+  return Projected(weight, bias)
+
+
+# Random features for the softmax kernel ---------------------------------------
+
+
+def _check_projection(fn: str, projection: Any) -> jax.Array:
+  projection = jnp.asarray(projection)
+  if projection.ndim != 2:
+    raise ValueError(f"{fn}: projection must be [M, H]; got shape {projection.shape}.")
+  return projection
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _RandomFeatures:
+  """Shared parts of the random-feature maps: ``x̂ = x / H^(1/4)`` and ``W x̂``."""
+
+  projection: jax.Array  # [M, H], rows ~ N(0, I_H).
+  name: ClassVar[str] = "random features"
+
+  def _projected(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(W x̂, ‖x̂‖² / 2)`` in the accumulation dtype: ``[..., M]``, ``[...]``."""
+    _check_head_dim(self.name, "projection [M, H]", self.projection.shape, 1, x)
+    acc = accumulation_dtype(x.dtype)
+    x_hat = x.astype(acc) * x.shape[-1] ** -0.25
+    w_x = jnp.einsum("...h,mh->...m", x_hat, self.projection.astype(acc))
+    return w_x, 0.5 * jnp.sum(x_hat * x_hat, axis=-1)
+
+  def log_scaled(self, x: jax.Array, *, is_query: bool = False) -> tuple[jax.Array, jax.Array]:
+    raise NotImplementedError
+
+  def __call__(self, x: jax.Array, *, is_query: bool = False) -> jax.Array:
+    features, log_scale = self.log_scaled(x, is_query=is_query)
+    return (jnp.exp(log_scale)[..., None] * features).astype(x.dtype)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class FavorPlus(_RandomFeatures):
+  """Positive random features ``exp(W x̂ - ‖x̂‖²/2) / √M`` (see :func:`favor_plus`)."""
+
+  name: ClassVar[str] = "favor_plus"
+
+  def log_scaled(self, x: jax.Array, *, is_query: bool = False) -> tuple[jax.Array, jax.Array]:
+    """``(exp(ℓ - max ℓ), max ℓ)`` with ``ℓ = W x̂ - ‖x̂‖²/2 - log √M``.
+
+    The largest feature of every row is 1; the row maximum is a constant for
+    differentiation (it cancels in ``φ``).
+    """
+    w_x, half_sq_norm = self._projected(x)
+    logits = w_x - half_sq_norm[..., None] - 0.5 * math.log(self.projection.shape[0])
+    log_scale = jax.lax.stop_gradient(jnp.max(logits, axis=-1))
+    return jnp.exp(logits - log_scale[..., None]), log_scale
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RandomFourier(_RandomFeatures):
+  """Trigonometric features ``exp(‖x̂‖²/2) [sin W x̂, cos W x̂] / √M`` (see :func:`random_fourier`)."""
+
+  name: ClassVar[str] = "random_fourier"
+
+  def log_scaled(self, x: jax.Array, *, is_query: bool = False) -> tuple[jax.Array, jax.Array]:
+    """``([sin W x̂, cos W x̂], ‖x̂‖²/2 - log √M)``: features ``[..., 2M]``."""
+    w_x, half_sq_norm = self._projected(x)
+    features = jnp.concatenate([jnp.sin(w_x), jnp.cos(w_x)], axis=-1)
+    return features, half_sq_norm - 0.5 * math.log(self.projection.shape[0])
+
+
+def favor_plus(projection: Any) -> FavorPlus:
+  """FAVOR+ positive random features for the softmax kernel.
+
+  ``φ(x) = exp(W x̂ - ‖x̂‖²/2) / √M`` with ``x̂ = x / H^(1/4)``, so that for
+  rows of W drawn from ``N(0, I_H)`` (or :func:`orthogonal_random_projection`)
+  ``E[φ(q)·φ(k)] = exp(q·k / √H)``, and every estimate is positive.
+
+  Args:
+    projection: ``[M, H]`` random directions, e.g. from
+      :func:`orthogonal_random_projection`.
+
+  Returns:
+    A feature map ``[..., H] -> [..., M]``, hashable by identity.
+
+  Raises:
+    ValueError: if ``projection`` is not rank 2 (and, when called, if its H
+      differs from the inputs').
+
+  Examples:
+    >>> w = orthogonal_random_projection(jax.random.key(0), 64, 16)
+    >>> favor_plus(w)(jnp.ones((3, 16))).shape
+    (3, 64)
+
+  References:
+    Choromanski et al., "Rethinking Attention with Performers", 2021, Lemma 1.
+  """
+  return FavorPlus(_check_projection("favor_plus", projection))
+
+
+def random_fourier(projection: Any) -> RandomFourier:
+  """Trigonometric random features for the softmax kernel (size 2M).
+
+  ``φ(x) = exp(‖x̂‖²/2) [sin(W x̂), cos(W x̂)] / √M`` with ``x̂ = x / H^(1/4)``:
+  ``φ(q)·φ(k) = exp(‖q̂‖²/2 + ‖k̂‖²/2) · mean_m cos(w_m·(q̂ - k̂))``, an
+  unbiased but signed estimate of ``exp(q·k / √H)`` (its normaliser can be
+  near zero or negative; prefer :func:`favor_plus` for attention).
+
+  Args:
+    projection: ``[M, H]`` random directions.
+
+  Returns:
+    A feature map ``[..., H] -> [..., 2M]``, hashable by identity.
+
+  Raises:
+    ValueError: if ``projection`` is not rank 2 (and, when called, if its H
+      differs from the inputs').
+
+  References:
+    Rahimi & Recht, 2007; Choromanski et al., 2021, eq. (5).
+  """
+  return RandomFourier(_check_projection("random_fourier", projection))
+
+
+def gaussian_random_projection(
+    rng: jax.Array, num_features: int, head_dim: int, dtype: Any = jnp.float32
+) -> jax.Array:
+  """``[M, H]`` projection with i.i.d. ``N(0, 1)`` entries.
+
+  Args:
+    rng: a PRNG key.
+    num_features: M, the number of random directions.
+    head_dim: H.
+    dtype: float dtype of the result.
+
+  Raises:
+    ValueError: on a non-positive ``num_features`` or ``head_dim``.
+  """
+  M = check_positive_int(num_features, name="num_features", fn="gaussian_random_projection")
+  H = check_positive_int(head_dim, name="head_dim", fn="gaussian_random_projection")
+  return jax.random.normal(rng, (M, H), dtype)
+
+
+def orthogonal_random_projection(
+    rng: jax.Array, num_features: int, head_dim: int, dtype: Any = jnp.float32
+) -> jax.Array:
+  """``[M, H]`` orthogonal random features (ORF).
+
+  Rows come in blocks of H mutually orthogonal directions (the Q factor of a
+  Gaussian ``[H, H]`` matrix, with signs fixed so that it is Haar
+  distributed); the last block is truncated to give M rows. Each row is then
+  rescaled to the norm of an independent ``N(0, I_H)`` vector (chi with H
+  degrees of freedom), so every row is marginally ``N(0, I_H)`` — the
+  estimators stay unbiased — while rows within a block are exactly
+  orthogonal, which lowers their variance.
+
+  Args:
+    rng: a PRNG key.
+    num_features: M.
+    head_dim: H.
+    dtype: float dtype of the result.
+
+  Raises:
+    ValueError: on a non-positive ``num_features`` or ``head_dim``.
+
+  References:
+    Yu et al., "Orthogonal Random Features", 2016; Choromanski et al., 2021, §2.4.
+  """
+  fn = "orthogonal_random_projection"
+  M = check_positive_int(num_features, name="num_features", fn=fn)
+  H = check_positive_int(head_dim, name="head_dim", fn=fn)
+  return _orthogonal_random_projection(rng, M, H, jnp.dtype(dtype))
+
+
+# Jitted so that eager and jitted callers draw bit-identical projections.
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _orthogonal_random_projection(rng: jax.Array, M: int, H: int, dtype: Any) -> jax.Array:
+  block_rng, norm_rng = jax.random.split(rng)
+  gaussian = jax.random.normal(block_rng, (num_blocks(M, H), H, H), dtype)
+  q, r = jnp.linalg.qr(gaussian)  # Columns of q are orthonormal.
+  q = q * jnp.sign(jnp.diagonal(r, axis1=-2, axis2=-1))[..., None, :]
+  rows = jnp.swapaxes(q, -1, -2).reshape(-1, H)[:M]
+  norms = jnp.linalg.norm(jax.random.normal(norm_rng, (M, H), dtype), axis=-1)
+  return rows * norms[:, None]

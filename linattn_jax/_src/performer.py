@@ -1,0 +1,292 @@
+"""Performer (FAVOR+) attention: linear attention with random softmax-kernel features.
+
+    out_t = Σ_j φ(q_t)·φ(k_j) v_j / (Σ_j φ(q_t)·φ(k_j) + eps·exp(s_q,t + m_t))
+
+with φ = ``favor_plus(projection)`` (``kernel="positive"``) or
+``random_fourier(projection)`` (``kernel="trig"``), so that
+``E[φ(q)·φ(k)] = exp(q·k / √H)`` and the result estimates softmax attention
+with scale ``1 / √H``.
+
+Stability, causally. The features are ``φ(x) = exp(s_x) φ̃(x)`` with
+``|φ̃| <= 1`` (``log_scaled`` of the feature map). Queries are stabilised per
+row (``s_q`` cancels in the ratio). Keys are stabilised by the running
+maximum ``m_t`` of ``s_k`` over the keys query t sees: the state is stored in
+units of ``exp(m)`` and rescaled by ``exp(m_old - m_new)`` whenever a key
+raises the maximum, as in an online softmax. So no output depends on a later
+key, not even through the stabiliser, and inputs of any size give finite
+results. ``eps`` is added in these units (the ``exp(s_q,t + m_t)`` above):
+it is relative to the largest feature product a visible key could give, not
+an absolute constant, so neither does it vanish for large inputs nor does it
+zero the output of small ones.
+
+The engine (implementations, chunking, state passing, padding, GQA) is the
+one of ``linear_attention``; see ``linear.py``.
+
+References:
+  Choromanski et al., "Rethinking Attention with Performers", ICLR 2021.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from linattn_jax._src import checks
+from linattn_jax._src.feature_maps import (
+    favor_plus,
+    orthogonal_random_projection,
+    random_fourier,
+)
+from linattn_jax._src.linear import (
+    DEFAULT_CHUNK_SIZE,
+    IMPLEMENTATIONS,
+    Carry,
+    feature_dim,
+    kernel_attention,
+    one_token_step,
+)
+from linattn_jax._src.registry import AttentionSpec, StreamingSpec, register_attention
+
+KERNELS = {"positive": favor_plus, "trig": random_fourier}
+DEFAULT_NUM_FEATURES = 256
+
+
+class PerformerState(NamedTuple):
+  """Recurrent Performer state per key/value head, in units of ``exp(log_scale)``.
+
+  The sums it stands for are ``exp(log_scale) * kv`` and
+  ``exp(log_scale) * k_sum`` (accumulation dtype).
+  """
+
+  kv: jax.Array  # [B, K, M, D]: Σ_j exp(s_j - log_scale) φ̃(k_j) v_jᵀ.
+  k_sum: jax.Array  # [B, K, M]: Σ_j exp(s_j - log_scale) φ̃(k_j).
+  log_scale: jax.Array  # [B, K]: running max of the keys' s_j (-inf before any key).
+
+
+@dataclasses.dataclass(frozen=True)
+class _LogScaled:
+  """Featurizer of :func:`performer_attention`: ``kernel``'s features of ``projection``."""
+
+  kernel: str
+
+  def __call__(self, projection: jax.Array, x: jax.Array, *, is_query: bool):
+    return KERNELS[self.kernel](projection).log_scaled(x, is_query=is_query)
+
+
+def _check_kernel(kernel: str, fn: str) -> str:
+  return checks.check_choice(kernel, name="kernel", choices=tuple(KERNELS), fn=fn)
+
+
+def performer_attention(
+    query: Any,
+    key: Any,
+    value: Any,
+    *,
+    projection: Any,
+    is_causal: bool = False,
+    key_value_seq_lengths: Any = None,
+    kernel: str = "positive",
+    eps: float = 1e-6,
+    implementation: str | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    initial_state: PerformerState | None = None,
+    return_state: bool = False,
+) -> jax.Array | tuple[jax.Array, PerformerState]:
+  """Performer attention: an unbiased random-feature estimate of softmax attention.
+
+  Linear attention (see :func:`linear_attention`) with FAVOR+ positive
+  features (``kernel="positive"``) or trigonometric random features
+  (``kernel="trig"``, signed: its normaliser can vanish), kept finite by a
+  causal running-max stabiliser (see the module docstring). Redrawing the
+  features is a pure function: draw a new ``projection`` from a new key.
+
+  Args:
+    query: ``[B, T, N, H]`` (or unbatched ``[T, N, H]``).
+    key: ``[B, S, K, H]``; K must divide N (GQA / MQA).
+    value: ``[B, S, K, D]``.
+    projection: ``[M, H]`` random directions, e.g.
+      ``orthogonal_random_projection(rng, M, H)``; features have size M
+      (positive) or 2M (trig).
+    is_causal: query t sees keys ``j <= t + S - T`` (bottom-right aligned).
+    key_value_seq_lengths: optional ``[B]`` ints; keys at or past it count
+      nowhere and do not advance the state.
+    kernel: ``"positive"`` (FAVOR+) or ``"trig"``.
+    eps: added to the stabilised normaliser (static float >= 0).
+    implementation: as in :func:`linear_attention`: ``"reference"``,
+      ``"parallel"`` (non-causal only), ``"scan"``, ``"associative_scan"``,
+      ``"chunked"``, or None (``"chunked"`` if causal, else ``"parallel"``).
+    chunk_size: C for the causal forms.
+    initial_state: a :class:`PerformerState` summarising earlier keys (seen
+      by every query); splitting a sequence and carrying it equals one pass
+      with the same projection.
+    return_state: also return the state after the last valid key.
+
+  Returns:
+    ``[B, T, N, D]`` in the input dtype, or ``(out, PerformerState)``.
+    Queries that see no key return zeros.
+
+  Raises:
+    ValueError: as :func:`linear_attention`, and for an unknown ``kernel``
+      or a projection that is not ``[M, H]``.
+
+  Examples:
+    >>> w = orthogonal_random_projection(jax.random.key(0), 128, 64)
+    >>> q = k = v = jnp.ones((1, 512, 4, 64))
+    >>> performer_attention(q, k, v, projection=w, is_causal=True).shape
+    (1, 512, 4, 64)
+
+  References:
+    Choromanski et al., "Rethinking Attention with Performers", ICLR 2021.
+  """
+  fn = "performer_attention"
+  out, carry = kernel_attention(
+      query, key, value, featurizer=_LogScaled(_check_kernel(kernel, fn)), params=projection,
+      is_causal=is_causal, key_value_seq_lengths=key_value_seq_lengths, eps=eps,
+      implementation=implementation, chunk_size=chunk_size,
+      initial_carry=None if initial_state is None else Carry(*initial_state), fn=fn,
+  )
+  return (out, PerformerState(*carry)) if return_state else out
+
+
+def performer_attention_reference(
+    query: Any,
+    key: Any,
+    value: Any,
+    *,
+    projection: Any,
+    is_causal: bool = False,
+    key_value_seq_lengths: Any = None,
+    kernel: str = "positive",
+    eps: float = 1e-6,
+    initial_state: PerformerState | None = None,
+    return_state: bool = False,
+) -> jax.Array | tuple[jax.Array, PerformerState]:
+  """The oracle: the masked, stabilised ``[T, S]`` kernel matrix, plain einsums.
+
+  Same arguments and result as :func:`performer_attention`
+  (``implementation="reference"``).
+  """
+  return performer_attention(
+      query, key, value, projection=projection, is_causal=is_causal,
+      key_value_seq_lengths=key_value_seq_lengths, kernel=kernel, eps=eps,
+      implementation="reference", initial_state=initial_state, return_state=return_state,
+  )
+
+
+def init_performer_state(
+    batch: int, num_kv_heads: int, feature_dim: int, value_dim: int, dtype: Any = jnp.float32
+) -> PerformerState:
+  """The empty :class:`PerformerState` (zero sums, ``log_scale = -inf``).
+
+  ``feature_dim`` is M for ``kernel="positive"`` and 2M for ``"trig"``.
+  """
+  B, K = batch, num_kv_heads
+  return PerformerState(jnp.zeros((B, K, feature_dim, value_dim), dtype),
+                        jnp.zeros((B, K, feature_dim), dtype), jnp.full((B, K), -jnp.inf, dtype))
+
+
+def performer_attention_step(
+    state: PerformerState,
+    query: Any,
+    key: Any,
+    value: Any,
+    *,
+    projection: Any,
+    kernel: str = "positive",
+    eps: float = 1e-6,
+) -> tuple[PerformerState, jax.Array]:
+  """One decoding step: ``[B, N, H]``, ``[B, K, H]``, ``[B, K, D]`` in; ``(state, [B, N, D])``.
+
+  Adds one key/value to the state (rescaling it if the key raises the
+  running maximum) and reads one query; ``lax.scan``-compatible.
+  """
+  return one_token_step(performer_attention, state, query, key, value,
+                        projection=projection, kernel=kernel, eps=eps)
+
+
+# Registry: the projection drawn from a hashable seed ------------------------------
+
+
+def _projection(rng: Any, num_features: int, head_dim: int) -> jax.Array:
+  """Orthogonal ``[M, H]`` features from an int seed or a PRNG key."""
+  if isinstance(rng, int) and not isinstance(rng, bool):
+    rng = jax.random.key(rng)
+  return orthogonal_random_projection(rng, num_features, head_dim)
+
+
+def _performer_by_seed(
+    query: Any,
+    key: Any,
+    value: Any,
+    *,
+    rng: Any = 0,
+    num_features: int = DEFAULT_NUM_FEATURES,
+    kernel: str = "positive",
+    is_causal: bool = False,
+    key_value_seq_lengths: Any = None,
+    eps: float = 1e-6,
+    implementation: str | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    initial_state: PerformerState | None = None,
+    return_state: bool = False,
+):
+  """:func:`performer_attention` with ``orthogonal_random_projection(rng, M, H)``.
+
+  ``rng`` is an int seed (hashable: a static-safe registry option) or a PRNG
+  key; redraw by changing it.
+  """
+  projection = _projection(rng, num_features, jnp.shape(query)[-1])
+  return performer_attention(
+      query, key, value, projection=projection, is_causal=is_causal,
+      key_value_seq_lengths=key_value_seq_lengths, kernel=kernel, eps=eps,
+      implementation=implementation, chunk_size=chunk_size, initial_state=initial_state,
+      return_state=return_state,
+  )
+
+
+def _init_by_seed(query, key, value, *, num_features: int = DEFAULT_NUM_FEATURES,
+                  kernel: str = "positive") -> PerformerState:
+  p = checks.prepare_qkv(query, key, value, fn="init_performer_state")
+  B, _, _, _, K, H, D = p.dims
+  phi = KERNELS[_check_kernel(kernel, "init_performer_state")](jnp.zeros((num_features, H)))
+  dtype = checks.accumulation_dtype(p.query.dtype)
+  return init_performer_state(B, K, feature_dim(phi, H, dtype), D, dtype)
+
+
+def _step_by_seed(state, query, key, value, *, rng: Any = 0,
+                  num_features: int = DEFAULT_NUM_FEATURES, kernel: str = "positive",
+                  eps: float = 1e-6):
+  projection = _projection(rng, num_features, jnp.shape(query)[-1])
+  return performer_attention_step(state, query, key, value, projection=projection,
+                                  kernel=kernel, eps=eps)
+
+
+def _register(name: str, kernel: str, num_features: int,
+              suite_implementations: tuple[str, ...] | None = None) -> None:
+  bind = functools.partial
+  register_attention(AttentionSpec(
+      name=name,
+      function=bind(_performer_by_seed, kernel=kernel),
+      reference=bind(_performer_by_seed, kernel=kernel, implementation="reference"),
+      how_options=frozenset({"implementation", "chunk_size"}),
+      implementations=IMPLEMENTATIONS,
+      suite_implementations=suite_implementations,
+      noncausal_only=frozenset({"parallel"}),
+      test_options={"chunk_size": 4, "num_features": num_features},
+      streaming=StreamingSpec(init=bind(_init_by_seed, kernel=kernel),
+                              step=bind(_step_by_seed, kernel=kernel)),
+  ))
+
+
+_register("performer", "positive", num_features=16)
+# Trigonometric features are signed, with a variance growing like
+# exp(‖q̂‖² + ‖k̂‖²): with few directions the normaliser of some of the suite's
+# rows nearly cancels, which amplifies float32 rounding differences between
+# implementations past its tolerance; 4096 keep every row well conditioned.
+# Same engine as "performer", which the suite runs in every form.
+_register("random_fourier", "trig", num_features=4096,
+          suite_implementations=("parallel", "chunked"))

@@ -1,0 +1,156 @@
+"""Feature maps: values, bf16 safety, unbiasedness of the random features,
+orthogonal projections, shape errors and static (hashable) use under jit."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.stats
+
+from linattn_jax import feature_maps as fm
+
+H = 4
+
+
+def _qk(seed=0, amplitude=0.7):
+  rng = np.random.default_rng(seed)
+  return (jnp.asarray(amplitude * rng.standard_normal(H), jnp.float32),
+          jnp.asarray(amplitude * rng.standard_normal(H), jnp.float32))
+
+
+def test_elu_plus_one_is_positive_and_finite_in_bfloat16():
+  x = np.linspace(-30, 30, 601)
+  got = np.asarray(fm.elu_plus_one(jnp.asarray(x, jnp.bfloat16)), np.float64)
+  xb = np.asarray(jnp.asarray(x, jnp.bfloat16), np.float64)  # The rounded inputs.
+  want = np.where(xb > 0, xb + 1, np.exp(np.minimum(xb, 0)))
+  assert np.all(np.isfinite(got)) and np.all(got > 0)
+  np.testing.assert_allclose(got, want, rtol=1e-2)
+
+
+def test_deterministic_maps_match_numpy():
+  x = np.random.default_rng(0).standard_normal((3, 5)).astype(np.float32)
+  np.testing.assert_allclose(fm.relu(jnp.asarray(x)), np.maximum(x, 0))
+  np.testing.assert_allclose(fm.exp(jnp.asarray(x), is_query=True), np.exp(x), rtol=1e-6)
+  np.testing.assert_allclose(fm.elu_plus_one(jnp.asarray(x)),
+                             np.where(x > 0, x + 1, np.exp(x)), rtol=1e-6)
+
+
+def test_projected_map_and_its_gradient():
+  rng = np.random.default_rng(1)
+  w, b = rng.standard_normal((H, 6)), rng.standard_normal(6)
+  x = rng.standard_normal((2, H))
+  z = x @ w + b
+  want = np.where(z > 0, z + 1, np.exp(z))
+  phi = fm.projected(jnp.asarray(w, jnp.float32), jnp.asarray(b, jnp.float32))
+  np.testing.assert_allclose(phi(jnp.asarray(x, jnp.float32)), want, rtol=1e-5)
+  grad = jax.grad(lambda w: fm.projected(w, b)(jnp.asarray(x, jnp.float32)).sum())(
+      jnp.asarray(w, jnp.float32))
+  assert grad.shape == (H, 6) and np.all(np.isfinite(grad)) and np.any(grad != 0)
+
+
+def _estimates(make_map, draw, q, k, draws, num_features):
+  """phi(q)·phi(k) for ``draws`` independent projections."""
+  rngs = jax.random.split(jax.random.key(42), draws)
+
+  def one(rng):
+    phi = make_map(draw(rng, num_features, H))
+    return phi(q) @ phi(k)
+
+  return np.asarray(jax.vmap(one)(rngs), np.float64)
+
+
+@pytest.mark.parametrize("make_map", [fm.favor_plus, fm.random_fourier],
+                         ids=["favor_plus", "random_fourier"])
+@pytest.mark.parametrize("draw", [fm.gaussian_random_projection,
+                                  fm.orthogonal_random_projection], ids=["gaussian", "orthogonal"])
+def test_random_features_are_unbiased_for_the_softmax_kernel(make_map, draw):
+  q, k = _qk()
+  want = float(np.exp(np.dot(q, k) / np.sqrt(H)))
+  est = _estimates(make_map, draw, q, k, draws=4000, num_features=8)
+  stderr = est.std(ddof=1) / np.sqrt(est.size)
+  assert abs(est.mean() - want) < 4 * stderr, (est.mean(), want, stderr)
+  assert stderr < 0.05 * want  # The check above is not vacuous.
+
+
+def test_favor_plus_estimates_are_positive_and_trig_ones_are_signed():
+  q, k = _qk(seed=3, amplitude=1.5)
+  draw = fm.gaussian_random_projection
+  assert np.all(_estimates(fm.favor_plus, draw, q, k, draws=500, num_features=2) > 0)
+  assert np.any(_estimates(fm.random_fourier, draw, q, k, draws=500, num_features=2) < 0)
+
+
+@pytest.mark.parametrize("make_map", [fm.favor_plus, fm.random_fourier])
+def test_log_scaled_features_reassemble_phi(make_map):
+  x = jnp.asarray(np.random.default_rng(2).standard_normal((5, H)), jnp.float32)
+  phi = make_map(fm.gaussian_random_projection(jax.random.key(0), 7, H))
+  features, log_scale = phi.log_scaled(x)
+  np.testing.assert_allclose(jnp.exp(log_scale)[:, None] * features, phi(x), rtol=1e-5)
+  assert np.all(np.abs(features) <= 1.0 + 1e-6)
+  if make_map is fm.favor_plus:
+    np.testing.assert_allclose(features.max(axis=-1), 1.0)  # Stabilised per row.
+
+
+def test_orthogonal_projection_rows_are_orthogonal_within_blocks():
+  M, Hd = 20, 8  # Blocks of 8, 8 and a truncated block of 4 rows.
+  w = np.asarray(fm.orthogonal_random_projection(jax.random.key(0), M, Hd), np.float64)
+  assert w.shape == (M, Hd)
+  unit = w / np.linalg.norm(w, axis=1, keepdims=True)
+  for start in range(0, M, Hd):
+    block = unit[start:start + Hd]
+    np.testing.assert_allclose(block @ block.T, np.eye(len(block)), atol=1e-5)
+  # Different blocks are independent draws, not orthogonal to each other.
+  assert np.abs(unit[:Hd] @ unit[Hd:2 * Hd].T).max() > 0.1
+
+
+@pytest.mark.parametrize("draw", [fm.gaussian_random_projection,
+                                  fm.orthogonal_random_projection])
+def test_projection_row_norms_are_chi_distributed(draw):
+  M, Hd = 4096, 8
+  w = np.asarray(draw(jax.random.key(7), M, Hd), np.float64)
+  sq_norms = np.sum(w * w, axis=1)
+  assert scipy.stats.kstest(sq_norms, scipy.stats.chi2(df=Hd).cdf).pvalue > 1e-3
+  # Rows are marginally N(0, I): every coordinate has unit variance.
+  np.testing.assert_allclose(w.var(axis=0), 1.0, atol=0.1)
+
+
+def test_projections_are_pure_functions_of_the_rng():
+  a = fm.orthogonal_random_projection(jax.random.key(3), 10, 4)
+  b = fm.orthogonal_random_projection(jax.random.key(3), 10, 4)
+  c = fm.orthogonal_random_projection(jax.random.key(4), 10, 4)
+  np.testing.assert_array_equal(a, b)
+  assert not np.allclose(a, c)
+
+
+def test_shape_errors_name_the_shapes():
+  w = jnp.ones((6, H))
+  with pytest.raises(ValueError, match=r"projection must be \[M, H\].*\(6,\)"):
+    fm.favor_plus(jnp.ones(6))
+  with pytest.raises(ValueError, match=r"\(6, 4\).*\(2, 5\).*H=5"):
+    fm.favor_plus(w)(jnp.ones((2, 5)))
+  with pytest.raises(ValueError, match=r"random_fourier.*\(6, 4\).*\(3\,\)"):
+    fm.random_fourier(w)(jnp.ones(3))
+  with pytest.raises(ValueError, match=r"weight \(4, 6\), bias \(5,\)"):
+    fm.projected(jnp.ones((4, 6)), jnp.ones(5))
+  with pytest.raises(ValueError, match="num_features"):
+    fm.orthogonal_random_projection(jax.random.key(0), 0, 4)
+
+
+def test_feature_maps_are_static_options_under_jit():
+  phi = fm.favor_plus(fm.orthogonal_random_projection(jax.random.key(0), 8, H))
+  traces = []
+
+  def run(x, phi):
+    traces.append(None)
+    return phi(x)
+
+  jitted = jax.jit(run, static_argnames="phi")
+  x = jnp.ones((2, H))
+  jitted(x, phi)
+  jitted(x + 1, phi)
+  assert len(traces) == 1  # Same object: reused compilation.
+  jitted(x, fm.favor_plus(phi.projection))
+  assert len(traces) == 2  # Identity hashing: a new object compiles anew.
+  hash(fm.projected(jnp.ones((H, 3)), jnp.ones(3)))
+  hash(fm.random_fourier(phi.projection))
