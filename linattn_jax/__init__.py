@@ -5,6 +5,13 @@ for keys and values, as in ``jax.nn.dot_product_attention``.
 """
 
 from linattn_jax import feature_maps, masks
+from linattn_jax._src.efficient import (
+    EfficientState,
+    efficient_attention,
+    efficient_attention_reference,
+    efficient_attention_step,
+    init_efficient_state,
+)
 from linattn_jax._src.flash import flash_attention
 from linattn_jax._src.linear import (
     LinearState,
@@ -49,10 +56,15 @@ __all__ = [
     "available_attentions",
     "bigbird_attention",
     "block_sparse_attention",
+    "efficient_attention",
+    "efficient_attention_reference",
+    "efficient_attention_step",
+    "EfficientState",
     "feature_maps",
     "flash_attention",
     "get_attention",
     "get_spec",
+    "init_efficient_state",
     "init_linear_state",
     "init_local_state",
     "init_performer_state",

@@ -38,3 +38,14 @@ def test_benchmark_times_sparse_variants_against_their_masked_dense_twin(tmp_pat
   assert all(c["status"] == "ok" for c in cases), [c["status"] for c in cases]
   for case in cases[2::3]:
     assert case["ratio_vs_masked_xla"] > 0 and case["memory_vs_masked_xla"] > 0
+
+
+def test_benchmark_times_a_decode_step_after_prefill(tmp_path):
+  config = benchmark.Config(
+      variants=("efficient",), implementations=("chunked",), lengths=(16, 32), batch=1, heads=2,
+      kv_heads=1, head_dim=8, value_dim=8, dtype="float32", causal=True, modes=("step",),
+      repeats=2, warmup=1, output_dir=str(tmp_path), plot=False, max_memory_fraction=0.7,
+      options={}, matmul_baseline=False)
+  cases = benchmark.run_benchmark(config)["cases"]
+  assert [(c["mode"], c["length"]) for c in cases] == [("step", 16), ("step", 32)]
+  assert all(c["status"] == "ok" and c["median_s"] > 0 for c in cases)
