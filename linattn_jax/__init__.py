@@ -13,6 +13,14 @@ from linattn_jax._src.efficient import (
     init_efficient_state,
 )
 from linattn_jax._src.flash import flash_attention
+from linattn_jax._src.heinsen import (
+    HeinsenState,
+    heinsen_attention,
+    heinsen_attention_reference,
+    heinsen_attention_step,
+    init_heinsen_state,
+    log_heinsen_attention,
+)
 from linattn_jax._src.linear import (
     LinearState,
     init_linear_state,
@@ -64,7 +72,12 @@ __all__ = [
     "flash_attention",
     "get_attention",
     "get_spec",
+    "heinsen_attention",
+    "heinsen_attention_reference",
+    "heinsen_attention_step",
+    "HeinsenState",
     "init_efficient_state",
+    "init_heinsen_state",
     "init_linear_state",
     "init_local_state",
     "init_performer_state",
@@ -76,6 +89,7 @@ __all__ = [
     "local_attention_step",
     "LocalState",
     "longformer_attention",
+    "log_heinsen_attention",
     "masks",
     "performer_attention",
     "performer_attention_reference",
