@@ -65,8 +65,12 @@ def make_qkv(shape: Shape, dtype: Any = jnp.float32, seed: int = 0, amplitude: f
 
 
 def kv_lengths(shape: Shape) -> jax.Array:
-  """Per-example key lengths: full, a short one and (B > 2) an empty one."""
-  choices = [shape.S, max(1, shape.S // 3), 0]
+  """Per-example key lengths: a short one, (B > 1) an empty one, (B > 2) a full one.
+
+  Full rows without padding are what ``lengths=None`` runs; an empty row
+  must give zeros (and zero, finite gradients), not NaN.
+  """
+  choices = [max(1, shape.S // 3), 0, shape.S]
   return jnp.asarray([choices[b % 3] for b in range(shape.B)], jnp.int32)
 
 
