@@ -43,6 +43,7 @@ import numpy as np
 from absl import app, flags
 
 import linattn_jax
+from experiments import common
 
 _VARIANTS = flags.DEFINE_list(
     "variants", ["softmax", "flash"], "Registry names to time (see available_attentions()).")
@@ -52,22 +53,15 @@ _IMPLEMENTATIONS = flags.DEFINE_list(
     "Default: all but 'reference'.")
 _LENGTHS = flags.DEFINE_list("lengths", ["256", "512", "1024"], "Sequence lengths T (= S).")
 _BATCH = flags.DEFINE_integer("batch", 1, "Batch size B.")
-_HEADS = flags.DEFINE_integer("heads", 8, "Query heads N.")
 _KV_HEADS = flags.DEFINE_integer("kv_heads", None, "Key/value heads K (default: --heads).")
-_HEAD_DIM = flags.DEFINE_integer("head_dim", 64, "Query/key head dim H.")
-_VALUE_DIM = flags.DEFINE_integer("value_dim", None, "Value head dim D (default: --head_dim).")
 _DTYPE = flags.DEFINE_enum(
     "dtype", "float32", ["float32", "bfloat16", "float16"], "Dtype of q, k, v.")
-_CAUSAL = flags.DEFINE_bool("causal", True, "Pass is_causal=True.")
 _MODES = flags.DEFINE_list(
     "modes", ["forward", "backward"],
     "forward, backward (forward + gradients w.r.t. q, k, v) and/or step (one streaming "
     "decode step at position T, after a prefill of T tokens; streaming variants only).")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed calls per case.")
 _WARMUP = flags.DEFINE_integer("warmup", 1, "Untimed calls before timing.")
-_OUTPUT_DIR = flags.DEFINE_string(
-    "output_dir", "results/benchmark", "Where benchmark.json and the plots go.")
-_PLOT = flags.DEFINE_bool("plot", True, "Write PNG plots (needs matplotlib).")
 _MAX_MEMORY_FRACTION = flags.DEFINE_float(
     "max_memory_fraction", 0.7,
     "Compile but do not run a case whose temp + argument + output bytes exceed "
@@ -154,17 +148,17 @@ def config_from_flags() -> Config:
                        if _IMPLEMENTATIONS.value is not None else None),
       lengths=tuple(_parse_int_list(_LENGTHS.value, "lengths")),
       batch=_BATCH.value,
-      heads=_HEADS.value,
-      kv_heads=_KV_HEADS.value if _KV_HEADS.value is not None else _HEADS.value,
-      head_dim=_HEAD_DIM.value,
-      value_dim=_VALUE_DIM.value if _VALUE_DIM.value is not None else _HEAD_DIM.value,
+      heads=common.HEADS.value,
+      kv_heads=_KV_HEADS.value if _KV_HEADS.value is not None else common.HEADS.value,
+      head_dim=common.HEAD_DIM.value,
+      value_dim=common.value_dim(),
       dtype=_DTYPE.value,
-      causal=_CAUSAL.value,
+      causal=common.CAUSAL.value,
       modes=tuple(_MODES.value),
       repeats=_REPEATS.value,
       warmup=_WARMUP.value,
-      output_dir=_OUTPUT_DIR.value,
-      plot=_PLOT.value,
+      output_dir=common.output_dir("benchmark"),
+      plot=common.PLOT.value,
       max_memory_fraction=_MAX_MEMORY_FRACTION.value,
       options=_parse_options(_OPTIONS.value),
       matmul_baseline=_MATMUL_BASELINE.value,
@@ -558,13 +552,6 @@ def run_metadata(config: Config) -> dict[str, Any]:
   }
 
 
-def write_json(path: pathlib.Path, report: dict[str, Any]) -> None:
-  """Writes ``report`` to ``path`` (via a temporary file, so it is never half written)."""
-  tmp = path.with_suffix(".json.tmp")
-  tmp.write_text(json.dumps(report, indent=1))
-  tmp.replace(path)
-
-
 def _label(record: dict[str, Any]) -> str:
   impl = record["implementation"]
   return record["variant"] if impl is None else f"{record['variant']}/{impl}"
@@ -656,7 +643,7 @@ def run_benchmark(config: Config) -> dict[str, Any]:
       add_ratios(record, report["cases"])
       report["cases"].append(record)
       print_row_end(record)
-      write_json(json_path, report)
+      common.write_json(json_path, report)
     del inputs
     jax.clear_caches()
   print(f"wrote {json_path}", flush=True)

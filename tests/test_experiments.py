@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from experiments import benchmark
+from experiments import approximation, benchmark
 
 
 def test_benchmark_runs_and_writes_ratios(tmp_path):
@@ -49,3 +49,15 @@ def test_benchmark_times_a_decode_step_after_prefill(tmp_path):
   cases = benchmark.run_benchmark(config)["cases"]
   assert [(c["mode"], c["length"]) for c in cases] == [("step", 16), ("step", 32)]
   assert all(c["status"] == "ok" and c["median_s"] > 0 for c in cases)
+
+
+def test_approximation_error_falls_with_more_features(tmp_path):
+  config = approximation.Config(
+      num_features=(4, 128), kinds=("orthogonal", "gaussian"), kernels=("positive",), draws=4,
+      length=16, heads=2, head_dim=8, value_dim=4, input_scale=0.5, causal=True, seed=0,
+      output_dir=str(tmp_path), plot=True)
+  results = approximation.run_approximation(config)["results"]
+  assert (tmp_path / "approximation.json").exists() and (tmp_path / "approximation.png").exists()
+  for kind in config.kinds:
+    few, many = (r["mean"] for r in results if r["kind"] == kind)
+    assert 0 < many < few, (kind, few, many)

@@ -1,0 +1,38 @@
+"""Flags and helpers shared by the experiment scripts.
+
+absl flags live in one process-wide registry, so a flag both scripts take is
+defined here once; each script reads it through these holders.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any
+
+from absl import flags
+
+HEADS = flags.DEFINE_integer("heads", 8, "Query heads N.")
+HEAD_DIM = flags.DEFINE_integer("head_dim", 64, "Query/key head dim H.")
+VALUE_DIM = flags.DEFINE_integer("value_dim", None, "Value head dim D (default: --head_dim).")
+CAUSAL = flags.DEFINE_bool("causal", True, "Pass is_causal=True.")
+OUTPUT_DIR = flags.DEFINE_string(
+    "output_dir", None, "Where the JSON and plots go (default: results/<script name>).")
+PLOT = flags.DEFINE_bool("plot", True, "Write PNG plots (needs matplotlib).")
+
+
+def value_dim() -> int:
+  """--value_dim, defaulting to --head_dim."""
+  return VALUE_DIM.value if VALUE_DIM.value is not None else HEAD_DIM.value
+
+
+def output_dir(script: str) -> str:
+  """--output_dir, defaulting to ``results/<script>``."""
+  return OUTPUT_DIR.value if OUTPUT_DIR.value is not None else f"results/{script}"
+
+
+def write_json(path: pathlib.Path, report: dict[str, Any]) -> None:
+  """Writes ``report`` to ``path`` (via a temporary file, so it is never half written)."""
+  tmp = path.with_suffix(".json.tmp")
+  tmp.write_text(json.dumps(report, indent=1))
+  tmp.replace(path)
