@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import jax.test_util
 import numpy as np
 import pytest
 import scipy.stats
@@ -27,6 +28,17 @@ def test_elu_plus_one_is_positive_and_finite_in_bfloat16():
   want = np.where(xb > 0, xb + 1, np.exp(np.minimum(xb, 0)))
   assert np.all(np.isfinite(got)) and np.all(got > 0)
   np.testing.assert_allclose(got, want, rtol=1e-2)
+
+
+def test_elu_plus_one_derivatives_match_elu():
+  x = jnp.asarray([-80.0, -3.0, -1e-3, 0.0, 1e-3, 2.0, 50.0])
+  for order in (jax.grad, lambda f: jax.grad(jax.grad(f))):
+    got = jax.vmap(order(lambda x: fm.elu_plus_one(x)))(x)
+    want = jax.vmap(order(lambda x: jax.nn.elu(x) + 1))(x)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-30)
+  with jax.enable_x64(True):
+    x64 = jnp.asarray([-1.3, -0.2, 0.4, 1.7], jnp.float64)
+    jax.test_util.check_grads(fm.elu_plus_one, (x64,), order=2, modes=("fwd", "rev"))
 
 
 def test_deterministic_maps_match_numpy():

@@ -68,10 +68,12 @@ def elu_plus_one(x: jax.Array, *, is_query: bool = False) -> jax.Array:
 
   Each branch is evaluated directly rather than as ``(exp(x) - 1) + 1``, which
   rounds to 0 in bfloat16 for moderately negative ``x``. The result is
-  positive wherever ``exp(x)`` is representable.
+  positive wherever ``exp(x)`` is representable. The ``exp`` branch sees
+  ``where(x > 0, 0, x)``, not ``minimum(x, 0)``, whose derivative at a tie
+  ``x = 0`` is 1/2: the derivative at 0 is 1, as on both sides.
   """
   del is_query
-  return jnp.where(x > 0, x + 1, jnp.exp(jnp.minimum(x, 0)))
+  return jnp.where(x > 0, x + 1, jnp.exp(jnp.where(x > 0, 0, x)))
 
 
 def relu(x: jax.Array, *, is_query: bool = False) -> jax.Array:
