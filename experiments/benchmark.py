@@ -393,6 +393,8 @@ def case_flops(config: Config, case: Case) -> float | None:
   counter = softmax_flops if case.kind in ("xla", "masked") else USEFUL_FLOPS.get(case.variant)
   if counter is None:
     return None
+  if case.mode == "step":  # One query against a state (linear) or T cached keys (softmax).
+    return counter(B, N, 1, T, config.head_dim, config.value_dim, mode="forward", causal=False)
   return counter(B, N, T, T, config.head_dim, config.value_dim,
                  mode=case.mode, causal=config.causal)
 

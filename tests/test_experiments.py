@@ -49,6 +49,9 @@ def test_benchmark_times_a_decode_step_after_prefill(tmp_path):
   cases = benchmark.run_benchmark(config)["cases"]
   assert [(c["mode"], c["length"]) for c in cases] == [("step", 16), ("step", 32)]
   assert all(c["status"] == "ok" and c["median_s"] > 0 for c in cases)
+  # A step's useful work does not grow with the prefill: one query against the state.
+  assert benchmark.case_flops(config, benchmark.Case("attention", "linear_elu", "chunked", 16,
+                                                     "step")) == 4.0 * 2 * 8 * 8
 
 
 def test_approximation_error_falls_with_more_features(tmp_path):
