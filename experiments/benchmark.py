@@ -58,8 +58,9 @@ _DTYPE = flags.DEFINE_enum(
     "dtype", "float32", ["float32", "bfloat16", "float16"], "Dtype of q, k, v.")
 _MODES = flags.DEFINE_list(
     "modes", ["forward", "backward"],
-    "forward, backward (forward + gradients w.r.t. q, k, v) and/or step (one streaming "
-    "decode step at position T, after a prefill of T tokens; streaming variants only).")
+    "forward, backward (forward + gradients w.r.t. q, k, v) and/or step (time per token of "
+    "streaming decode steps at position T, after a prefill of T tokens; streaming variants "
+    "only).")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed calls per case.")
 _WARMUP = flags.DEFINE_integer("warmup", 1, "Untimed calls before timing.")
 _MAX_MEMORY_FRACTION = flags.DEFINE_float(
@@ -327,8 +328,15 @@ def case_function(config: Config, case: Case, inputs: Inputs) -> tuple[Callable,
   return forward_backward(attention), qkv + (inputs.cotangent,) + extra
 
 
+# A timed "step" call decodes this many tokens in one lax.scan, as a decoding
+# loop inside jit does; records quote the time per token. A single tiny step
+# per call would time Python dispatch (tens of µs, noisy on a shared machine).
+DECODE_STEPS = 16
+
+
 def decode_step(config: Config, case: Case, inputs: Inputs) -> tuple[Callable, tuple]:
-  """One streaming step after a causal prefill of ``case.length`` tokens, and its arguments."""
+  """``DECODE_STEPS`` streaming steps after a causal prefill of ``case.length`` tokens,
+  and their arguments."""
   spec = linattn_jax.get_spec(case.variant)
   options = dict(config.options)
   if case.implementation is not None:
@@ -339,7 +347,13 @@ def decode_step(config: Config, case: Case, inputs: Inputs) -> tuple[Callable, t
   names = inspect.signature(step).parameters
   step = functools.partial(step, **{k: v for k, v in options.items() if k in names})
   last = tuple(x[:, -1] for x in (inputs.query, inputs.key, inputs.value))
-  return step, (state,) + last
+
+  def decode(state, query, key, value):
+    def one(state, _):
+      return step(state, query, key, value)
+    return jax.lax.scan(one, state, length=DECODE_STEPS)
+
+  return decode, (state,) + last
 
 
 def softmax_flops(batch: int, heads: int, length: int, key_length: int, head_dim: int,
@@ -469,6 +483,11 @@ def run_case(config: Config, case: Case, inputs: Inputs) -> dict[str, Any]:
   except Exception as e:  # One failed case (e.g. out of memory) must not end the sweep.
     first_line = next(iter(str(e).splitlines()), "")
     record["status"] = f"error: {type(e).__name__}: {first_line[:200]}"
+  if case.mode == "step" and record.get("status") == "ok":  # Per token, not per call.
+    record["steps_per_call"] = DECODE_STEPS
+    record["times_s"] = [t / DECODE_STEPS for t in record["times_s"]]
+    record["median_s"] /= DECODE_STEPS
+    record["min_s"] /= DECODE_STEPS
   record["flops"] = case_flops(config, case)
   if record["flops"] is not None and "median_s" in record:
     record["gflops"] = record["flops"] / record["median_s"] / 1e9
