@@ -202,6 +202,21 @@ def check_choice(value: Any, *, name: str, choices: Sequence[Any], fn: str) -> A
   return value
 
 
+def check_implementation(implementation: str | None, *, choices: Sequence[str],
+                         is_causal: bool, fn: str,
+                         noncausal_only: Sequence[str] = ("parallel",)) -> str | None:
+  """Checks ``implementation`` (None: the caller's default) against ``choices``
+  and the causal mode: a ``noncausal_only`` form with ``is_causal=True`` raises."""
+  check_choice(implementation, name="implementation", choices=(None, *choices), fn=fn)
+  if is_causal and implementation in noncausal_only:
+    causal = [c for c in choices if c not in noncausal_only and c != "reference"]
+    raise ValueError(
+        f"{fn}: implementation={implementation!r} supports only is_causal=False; use one of "
+        f"{causal} for is_causal=True."
+    )
+  return implementation
+
+
 def reject_unsupported(fn: str, implementation: str, **options: Any) -> None:
   """Raises for every option that is set but the implementation cannot honour."""
   for name, value in options.items():

@@ -45,9 +45,10 @@ from linattn_jax._src import checks
 from linattn_jax._src.blocks import merge_blocks, pad_axis, split_blocks
 from linattn_jax._src.masks import causal_predicate, length_predicate
 from linattn_jax._src.online_softmax import (
-    SoftmaxCarry,
-    online_softmax_finish,
-    online_softmax_update,
+  SoftmaxCarry,
+  exponent_shift,
+  online_softmax_finish,
+  online_softmax_update,
 )
 from linattn_jax._src.registry import AttentionSpec, StreamingSpec, register_attention
 
@@ -124,11 +125,6 @@ def _fold(state: EfficientState, k: jax.Array, v: jax.Array, block: int) -> Effi
   return state
 
 
-def _finite(m: jax.Array) -> jax.Array:
-  """A running max usable as an exponent shift: -inf (nothing seen) becomes 0."""
-  return jnp.where(m == -jnp.inf, 0.0, m)
-
-
 def _safe_divide(x: jax.Array, den: jax.Array) -> jax.Array:
   """``x / den`` with zeros where ``den == 0`` (no visible key), NaN-free gradients."""
   empty = den == 0
@@ -169,7 +165,8 @@ def _chunk_step(state: EfficientState, blk) -> tuple[EfficientState, jax.Array]:
   C = k.shape[2]
   m_prev = state.m[:, :, None]  # [B, K, 1, H]
   # The output does not depend on the shift, so no gradient flows through it.
-  shift = lax.stop_gradient(_finite(jnp.maximum(m_prev, lax.cummax(k, axis=2))))  # [B, K, C, H]
+  running_max = jnp.maximum(m_prev, lax.cummax(k, axis=2))  # [B, K, C, H]
+  shift = lax.stop_gradient(exponent_shift(running_max))
   decay = jnp.exp(m_prev - shift)  # [B, K, C, H]; 0 where nothing came before.
   lower = jnp.tril(jnp.ones((C, C), bool))[:, :, None]  # [C(i), C(j), 1]
   # Future entries are set to -inf before exp, so a huge future key is never exponentiated.
@@ -238,7 +235,7 @@ def _reference(p: checks.Prepared, is_causal: bool, lengths: jax.Array | None) -
     visible = visible & causal_predicate(jnp.arange(T)[:, None], jnp.arange(S)[None], T, S)
   s = jnp.where(visible[..., None, None], k[:, None], -jnp.inf)  # [B, T, S, K, H]
   m = lax.stop_gradient(jnp.max(s, axis=2, keepdims=True))
-  e = jnp.exp(s - _finite(m))
+  e = jnp.exp(s - exponent_shift(m))
   w = _safe_divide(e, jnp.sum(e, axis=2, keepdims=True))  # softmax over visible j
   out = jnp.einsum("btkgh,btskh,bskd->btkgd", q_soft, w, v)
   return out.reshape(B, T, N, D).astype(p.query.dtype)
@@ -359,20 +356,14 @@ def efficient_attention(
     Shen et al., "Efficient Attention: Attention with Linear Complexities", WACV 2021.
   """
   fn = "efficient_attention"
-  checks.check_choice(
-      implementation, name="implementation", choices=(None,) + IMPLEMENTATIONS, fn=fn)
-  chunk = checks.check_positive_int(chunk_size, name="chunk_size", fn=fn)
   is_causal = bool(is_causal)
+  implementation = checks.check_implementation(
+      implementation, choices=IMPLEMENTATIONS, is_causal=is_causal, fn=fn)
+  implementation = implementation or ("chunked" if is_causal else "parallel")
+  chunk = checks.check_positive_int(chunk_size, name="chunk_size", fn=fn)
   p = checks.prepare_qkv(query, key, value, fn=fn)
   lengths = checks.check_lengths(
       p, fn=fn, key_value_seq_lengths=key_value_seq_lengths)["key_value_seq_lengths"]
-  if implementation is None:
-    implementation = "chunked" if is_causal else "parallel"
-  if implementation == "parallel" and is_causal:
-    raise ValueError(
-        f"{fn}: implementation='parallel' supports only is_causal=False; use "
-        "'chunked' or 'scan' for is_causal=True."
-    )
   if not is_causal and (initial_state is not None or return_state):
     raise ValueError(
         f"{fn}: initial_state and return_state need is_causal=True (the state "

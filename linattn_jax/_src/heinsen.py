@@ -62,6 +62,7 @@ from jax import lax
 from linattn_jax._src import checks
 from linattn_jax._src import masks as masks_lib
 from linattn_jax._src.blocks import merge_blocks, pad_axis, split_blocks
+from linattn_jax._src.online_softmax import exponent_shift
 from linattn_jax._src.registry import AttentionSpec, StreamingSpec, register_attention
 
 IMPLEMENTATIONS = ("reference", "parallel", "chunked")
@@ -86,10 +87,6 @@ class HeinsenState(NamedTuple):
 # NaN-free log-space primitives ------------------------------------------------------------
 
 
-def _finite_or_zero(x: jax.Array) -> jax.Array:
-  return jnp.where(jnp.isfinite(x), x, 0.0)
-
-
 def _safe_log(x: jax.Array) -> jax.Array:
   """``log x`` for ``x > 0``, ``-inf`` elsewhere, with a zero (never NaN) gradient there."""
   positive = x > 0
@@ -98,13 +95,13 @@ def _safe_log(x: jax.Array) -> jax.Array:
 
 def _logsumexp(x: jax.Array, axis: int) -> jax.Array:
   """``log Σ exp(x)`` over ``axis``; ``-inf`` (zero gradient) when every entry is ``-inf``."""
-  m = lax.stop_gradient(_finite_or_zero(jnp.max(x, axis=axis, keepdims=True)))
+  m = lax.stop_gradient(exponent_shift(jnp.max(x, axis=axis, keepdims=True)))
   return _safe_log(jnp.sum(jnp.exp(x - m), axis=axis)) + jnp.squeeze(m, axis)
 
 
 def _logaddexp(a: jax.Array, b: jax.Array) -> jax.Array:
   """``log(exp(a) + exp(b))``, NaN-free for ``a = b = -inf``."""
-  m = lax.stop_gradient(_finite_or_zero(jnp.maximum(a, b)))
+  m = lax.stop_gradient(exponent_shift(jnp.maximum(a, b)))
   return _safe_log(jnp.exp(a - m) + jnp.exp(b - m)) + m
 
 
@@ -115,7 +112,7 @@ def _cumlogsumexp(x: jax.Array, axis: int) -> jax.Array:
 
 def _ratio(log_num: jax.Array, log_den: jax.Array) -> jax.Array:
   """``exp(log_num - log_den[..., None])``; 0 where the denominator is 0."""
-  return jnp.exp(log_num - _finite_or_zero(log_den)[..., None])
+  return jnp.exp(log_num - exponent_shift(log_den)[..., None])
 
 
 # Chunk bodies -------------------------------------------------------------------------------
@@ -333,7 +330,7 @@ def _log_space_attention(query, key, value, kv_len, state, *, is_causal: bool, c
   if log_space:
     log_num, state = _stream_numerators(
         cfg, q, k, _value_streams(v, log_space=True), kv_len, state)
-    out = log_num[..., :D] - _finite_or_zero(log_num[..., D:])
+    out = log_num[..., :D] - exponent_shift(log_num[..., D:])
   else:
     out, state = _signed_attention(cfg, q, k, v, kv_len, state)
   return out.reshape(B, T, N, D).astype(query.dtype), state
@@ -357,7 +354,7 @@ def _reference(query, key, value, kv_len, *, is_causal: bool, log_space: bool):
   if is_causal:
     valid = valid & masks_lib.causal(T, S)[None]
   logits = jnp.where(valid[..., None], logits, -jnp.inf)
-  log_w = logits - _finite_or_zero(_logsumexp(logits, axis=2))[:, :, None]
+  log_w = logits - exponent_shift(_logsumexp(logits, axis=2))[:, :, None]
   if log_space:
     out = _logsumexp(log_w[..., None] + v[:, None], axis=2)
   else:

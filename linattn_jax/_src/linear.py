@@ -66,6 +66,7 @@ from linattn_jax._src import checks
 from linattn_jax._src.blocks import merge_blocks, pad_axis, split_blocks
 from linattn_jax._src.feature_maps import FeatureMap, elu_plus_one, relu
 from linattn_jax._src.masks import causal, length_predicate
+from linattn_jax._src.online_softmax import exponent_shift
 from linattn_jax._src.registry import AttentionSpec, StreamingSpec, register_attention
 
 IMPLEMENTATIONS = ("reference", "parallel", "scan", "associative_scan", "chunked")
@@ -93,11 +94,6 @@ class Carry(NamedTuple):
 # Building blocks ---------------------------------------------------------------
 
 
-def _finite_or_zero(m: jax.Array) -> jax.Array:
-  """The running max as a rescaling shift: -inf (nothing seen) becomes 0; no gradient."""
-  return lax.stop_gradient(jnp.where(m == -jnp.inf, 0.0, m))
-
-
 def _normalize(num: jax.Array, den: jax.Array, eps: float) -> jax.Array:
   """``num / (den + eps)``; rows with a zero normaliser (no key) return ``num`` (zeros)."""
   den = den + eps
@@ -107,14 +103,14 @@ def _normalize(num: jax.Array, den: jax.Array, eps: float) -> jax.Array:
 def summarize(fk: jax.Array, lk: jax.Array, v: jax.Array) -> Carry:
   """The state of S keys: ``fk [..., S, M]``, ``lk [..., S]``, ``v [..., S, D]`` -> ``[...]``."""
   m = jnp.max(lax.stop_gradient(lk), axis=-1)
-  fk = fk * jnp.exp(lk - _finite_or_zero(m)[..., None])[..., None]
+  fk = fk * jnp.exp(lk - exponent_shift(m)[..., None])[..., None]
   return Carry(jnp.einsum("...sm,...sd->...md", fk, v), jnp.sum(fk, axis=-2), m)
 
 
 def combine(a: Carry, b: Carry) -> Carry:
   """The state of a's keys followed by b's (associative; shapes broadcast)."""
   m = lax.stop_gradient(jnp.maximum(a.log_scale, b.log_scale))
-  shift = _finite_or_zero(m)
+  shift = exponent_shift(m)
   wa, wb = jnp.exp(a.log_scale - shift), jnp.exp(b.log_scale - shift)
   return Carry(
       wa[..., None, None] * a.kv + wb[..., None, None] * b.kv,
@@ -145,7 +141,7 @@ def _masked_block(
   if visible is not None:
     lk = jnp.where(visible, lk, -jnp.inf)  # [B, K, T, S]
   m = jnp.maximum(carry.log_scale[..., None], jnp.max(lax.stop_gradient(lk), axis=-1))
-  shift = _finite_or_zero(m)  # [B, K, T|1]
+  shift = lax.stop_gradient(exponent_shift(m))  # [B, K, T|1]
   weights = jnp.exp(lk - shift[..., None])[:, :, None]  # [B, K, 1, T|1, S]
   kernel = jnp.einsum("bkgtm,bksm->bkgts", fq, fk)
   kernel = jnp.where(weights > 0, kernel * weights, 0)  # Hidden keys: exact zeros.
@@ -303,19 +299,13 @@ def kernel_attention(
   public layout (and the missing batch axis of unbatched calls, for the
   carry too).
   """
-  checks.check_choice(implementation, name="implementation",
-                      choices=(None,) + IMPLEMENTATIONS, fn=fn)
+  is_causal = bool(is_causal)
+  implementation = checks.check_implementation(
+      implementation, choices=IMPLEMENTATIONS, is_causal=is_causal, fn=fn)
+  implementation = implementation or ("chunked" if is_causal else "parallel")
   chunk_size = checks.check_positive_int(chunk_size, name="chunk_size", fn=fn)
   if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or eps < 0:
     raise ValueError(f"{fn}: eps must be a non-negative float; got {eps!r}.")
-  is_causal = bool(is_causal)
-  if implementation is None:
-    implementation = "chunked" if is_causal else "parallel"
-  if implementation == "parallel" and is_causal:
-    raise ValueError(
-        f"{fn}: implementation='parallel' does not support is_causal=True; use 'chunked', "
-        "'scan' or 'associative_scan'."
-    )
   return _kernel_attention(
       query, key, value, key_value_seq_lengths, initial_carry, params, featurizer=featurizer,
       is_causal=is_causal, eps=float(eps), implementation=implementation,

@@ -44,9 +44,14 @@ def init_softmax_carry(
   )
 
 
-def _safe_max(row_max: jax.Array) -> jax.Array:
-  """The row max with -inf (row saw nothing yet) replaced by 0."""
-  return jnp.where(row_max == -jnp.inf, 0.0, row_max)
+def exponent_shift(running_max: jax.Array) -> jax.Array:
+  """A running max used as the shift in ``exp(x - shift)``: -inf (nothing seen yet) becomes 0.
+
+  Every stabilised exponential in the toolkit (online softmax, the linear
+  family's running log-scales, log-sum-exps) shifts by this, so an empty row
+  gives ``exp(-inf - 0) = 0`` instead of ``exp(-inf + inf) = NaN``.
+  """
+  return jnp.where(running_max == -jnp.inf, 0.0, running_max)
 
 
 def online_softmax_update(
@@ -67,7 +72,7 @@ def online_softmax_update(
   """
   # The result does not depend on the shift, so no gradient flows through it.
   new_max = jax.lax.stop_gradient(jnp.maximum(carry.row_max, jnp.max(scores, axis=-1)))
-  shift = _safe_max(new_max)
+  shift = exponent_shift(new_max)
   correction = jnp.exp(carry.row_max - shift)  # 0 where nothing was seen.
   probs = jnp.exp(scores - shift[..., None])
   return SoftmaxCarry(
