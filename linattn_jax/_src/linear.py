@@ -91,6 +91,17 @@ class Carry(NamedTuple):
   log_scale: jax.Array  # [B, K]: max of the keys' s_j seen so far (-inf: none).
 
 
+class ImpliedWeights(NamedTuple):
+  """The attention weights a kernel variant implies (accumulation dtype).
+
+  ``out[b, t, n] = Σ_j weights[b, n, t, j] value[b, j, n // G] / normalizer[b, n, t]``.
+  """
+
+  weights: jax.Array  # [B, N, T, S]: unnormalised; signed for signed feature maps.
+  magnitudes: jax.Array  # [B, N, T, S]: Σ_m of the absolute terms forming each weight.
+  normalizer: jax.Array  # [B, N, T]: Σ_j weights + eps.
+
+
 # Building blocks ---------------------------------------------------------------
 
 
@@ -129,6 +140,26 @@ def _readout(carry: Carry, fq: jax.Array, eps: float) -> jax.Array:
   return _normalize(num, den, eps)
 
 
+def _scaled_kernel(fq, fk, lk, log_scale, visible: jax.Array | None):
+  """The masked kernel matrix in the units of each query's running max.
+
+  ``fq [B, K, G, T, M]``, ``fk [B, K, S, M]``, ``lk [B, K, S]`` and the
+  state's ``log_scale [B, K]``; ``visible [T, S]`` (None: all). Returns
+  ``kernel [B, K, G, T, S] = φ̃(q_t)·φ̃(k_j) exp(s_j - m_t)`` (exact zeros for
+  hidden keys) and the state's weight ``exp(log_scale - m_t)`` ``[B, K, 1, T|1]``,
+  where ``m_t`` is the max of ``log_scale`` and the ``s_j`` query t sees.
+  """
+  lk = lk[..., None, :]  # [B, K, 1, S]
+  if visible is not None:
+    lk = jnp.where(visible, lk, -jnp.inf)  # [B, K, T, S]
+  m = jnp.maximum(log_scale[..., None], jnp.max(lax.stop_gradient(lk), axis=-1))
+  shift = lax.stop_gradient(exponent_shift(m))  # [B, K, T|1]
+  weights = jnp.exp(lk - shift[..., None])[:, :, None]  # [B, K, 1, T|1, S]
+  kernel = jnp.einsum("bkgtm,bksm->bkgts", fq, fk)
+  kernel = jnp.where(weights > 0, kernel * weights, 0)  # Hidden keys: exact zeros.
+  return kernel, jnp.exp(log_scale[..., None] - shift)[:, :, None]
+
+
 def _masked_block(
     carry: Carry, fq, fk, lk, v, visible: jax.Array | None, eps: float
 ) -> jax.Array:
@@ -137,15 +168,7 @@ def _masked_block(
   ``visible [T, S]`` (None: all) masks the kernel matrix ``φ̃(Q) φ̃(K)ᵀ``.
   Each query uses the running max over the keys it sees as its units.
   """
-  lk = lk[..., None, :]  # [B, K, 1, S]
-  if visible is not None:
-    lk = jnp.where(visible, lk, -jnp.inf)  # [B, K, T, S]
-  m = jnp.maximum(carry.log_scale[..., None], jnp.max(lax.stop_gradient(lk), axis=-1))
-  shift = lax.stop_gradient(exponent_shift(m))  # [B, K, T|1]
-  weights = jnp.exp(lk - shift[..., None])[:, :, None]  # [B, K, 1, T|1, S]
-  kernel = jnp.einsum("bkgtm,bksm->bkgts", fq, fk)
-  kernel = jnp.where(weights > 0, kernel * weights, 0)  # Hidden keys: exact zeros.
-  state_weight = jnp.exp(carry.log_scale[..., None] - shift)[:, :, None]  # [B, K, 1, T|1]
+  kernel, state_weight = _scaled_kernel(fq, fk, lk, carry.log_scale, visible)
   num = (jnp.einsum("bkgts,bksd->bkgtd", kernel, v)
          + state_weight[..., None] * jnp.einsum("bkgtm,bkmd->bkgtd", fq, carry.kv))
   den = jnp.sum(kernel, axis=-1) + state_weight * jnp.einsum("bkgtm,bkm->bkgt", fq, carry.k_sum)
@@ -331,6 +354,31 @@ def _kernel_attention(query, key, value, lengths, carry, params, *, featurizer, 
   return p.restore(out), carry
 
 
+def kernel_weights(query: Any, key: Any, *, featurizer: Featurizer, params: Any, is_causal: bool,
+                   key_value_seq_lengths: Any, eps: float, fn: str) -> ImpliedWeights:
+  """The weights the engine implies: ``out_t = Σ_j w_tj v_j / normalizer_t``.
+
+  ``w_tj = φ̃(q_t)·φ̃(k_j) exp(s_j - m_t)`` in the units in which ``eps`` is
+  added (``m_t``: the max of the ``s_j`` query t sees; 0 for plain maps), and
+  ``magnitudes_tj = |φ̃(q_t)|·|φ̃(k_j)| exp(s_j - m_t)``, the sum of the
+  absolute values of the M terms forming ``w_tj``. Hidden and padded keys
+  have exact zeros. Computed like the ``"reference"`` implementation, in
+  the accumulation dtype; no initial state.
+  """
+  p = checks.prepare_qkv(query, key, key, fn=fn)  # Values play no part in the weights.
+  (lengths,) = checks.check_lengths(p, fn=fn, key_value_seq_lengths=key_value_seq_lengths).values()
+  dtype = checks.accumulation_dtype(p.query.dtype)
+  fq, fk, lk, _ = _featurize(p, functools.partial(featurizer, params), lengths, dtype, fn)
+  visible = causal(fq.shape[3], fk.shape[2]) if is_causal else None
+  no_state = jnp.full(lk.shape[:2], -jnp.inf, dtype)
+  w, _ = _scaled_kernel(fq, fk, lk, no_state, visible)
+  magnitudes, _ = _scaled_kernel(jnp.abs(fq), jnp.abs(fk), lk, no_state, visible)
+  B, T, N, S = p.dims.B, p.dims.T, p.dims.N, p.dims.S
+  w, magnitudes = (x.reshape(B, N, T, S) for x in (w, magnitudes))  # Head n = k·G + g.
+  out = ImpliedWeights(w, magnitudes, jnp.sum(w, axis=-1) + eps)
+  return out if p.batched else jax.tree.map(lambda x: x[0], out)
+
+
 # Public API --------------------------------------------------------------------
 
 
@@ -503,6 +551,14 @@ def _init_like(query, key, value, *, feature_map: FeatureMap = elu_plus_one) -> 
   return init_linear_state(B, K, feature_dim(feature_map, H, dtype), D, dtype)
 
 
+def _weights(query, key, *, feature_map: FeatureMap = elu_plus_one, is_causal: bool = False,
+             key_value_seq_lengths: Any = None, eps: float = 1e-6) -> ImpliedWeights:
+  """:func:`kernel_weights` of :func:`linear_attention` (the registry's ``weights``)."""
+  return kernel_weights(query, key, featurizer=_Plain(feature_map), params=None,
+                        is_causal=is_causal, key_value_seq_lengths=key_value_seq_lengths,
+                        eps=eps, fn="linear_attention")
+
+
 def _register(name: str, feature_map: FeatureMap,
               suite_implementations: tuple[str, ...] | None = None) -> None:
   bind = functools.partial
@@ -517,6 +573,7 @@ def _register(name: str, feature_map: FeatureMap,
       test_options={"chunk_size": 4},
       streaming=StreamingSpec(init=bind(_init_like, feature_map=feature_map),
                               step=bind(linear_attention_step, feature_map=feature_map)),
+      weights=bind(_weights, feature_map=feature_map),
   ))
 
 

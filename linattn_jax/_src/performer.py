@@ -45,8 +45,10 @@ from linattn_jax._src.linear import (
     DEFAULT_CHUNK_SIZE,
     IMPLEMENTATIONS,
     Carry,
+    ImpliedWeights,
     feature_dim,
     kernel_attention,
+    kernel_weights,
     one_token_step,
 )
 from linattn_jax._src.registry import AttentionSpec, StreamingSpec, register_attention
@@ -265,6 +267,17 @@ def _step_by_seed(state, query, key, value, *, rng: Any = 0,
                                   kernel=kernel, eps=eps)
 
 
+def _weights_by_seed(query, key, *, rng: Any = 0, num_features: int = DEFAULT_NUM_FEATURES,
+                     kernel: str = "positive", is_causal: bool = False,
+                     key_value_seq_lengths: Any = None, eps: float = 1e-6) -> ImpliedWeights:
+  """:func:`kernel_weights` of :func:`_performer_by_seed` (the registry's ``weights``)."""
+  fn = "performer_attention"
+  return kernel_weights(
+      query, key, featurizer=_LogScaled(_check_kernel(kernel, fn)),
+      params=_projection(rng, num_features, jnp.shape(query)[-1]), is_causal=is_causal,
+      key_value_seq_lengths=key_value_seq_lengths, eps=eps, fn=fn)
+
+
 def _register(name: str, kernel: str, num_features: int,
               suite_implementations: tuple[str, ...] | None = None) -> None:
   bind = functools.partial
@@ -279,6 +292,7 @@ def _register(name: str, kernel: str, num_features: int,
       test_options={"chunk_size": 4, "num_features": num_features},
       streaming=StreamingSpec(init=bind(_init_by_seed, kernel=kernel),
                               step=bind(_step_by_seed, kernel=kernel)),
+      weights=bind(_weights_by_seed, kernel=kernel),
   ))
 
 

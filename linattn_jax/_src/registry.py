@@ -78,6 +78,12 @@ class AttentionSpec:
       **options) -> [.., T, S]`` bool: the mask with which softmax attention
       equals this variant (``how_options`` are not passed). Benchmarks time
       the masked dense path against it.
+    weights: for kernel variants, ``weights(query, key, *, is_causal,
+      key_value_seq_lengths, **options) -> ImpliedWeights`` (``how_options``
+      are not passed): the unnormalised weights ``[B, N, T, S]`` the variant
+      implies, the magnitudes of the terms forming them, and the normaliser
+      ``[B, N, T]``. Where the features are signed the normaliser can cancel;
+      the shared suite then judges parity by each row's conditioning.
   """
 
   name: str
@@ -92,6 +98,7 @@ class AttentionSpec:
   noncausal_only: frozenset[str] = frozenset()
   streaming: StreamingSpec | None = None
   dense_mask: Callable[..., Any] | None = None
+  weights: Callable[..., Any] | None = None
 
   def __post_init__(self):
     extra = set(self.suite_implementations or ()) - set(self.implementations)
