@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import linattn_jax as la
+from linattn_jax._src.checks import accumulation_dtype
 
 # (atol, rtol) of a fast implementation against its oracle, per input dtype.
 # The oracle runs on the same (already rounded) inputs, so the budget covers
@@ -117,3 +118,247 @@ def largest_intermediate(jaxpr) -> int:
     for sub in jax.extend.core.jaxprs_in_params(eqn.params):
       size = max(size, largest_intermediate(sub))
   return size
+
+
+# Judging by conditioning ---------------------------------------------------------
+#
+# A kernel variant computes ``out_td = num_td / den_t`` with
+# ``num_td = Σ_j w_tj v_jd`` and ``den_t = Σ_j w_tj + eps``, and each weight
+# ``w_tj`` is itself a sum of M feature products. Any order of float32
+# summation gives ``|δnum_td| <= γ Σ_j a_tj |v_jd|`` and ``|δden_t| <= γ Σ_j a_tj``,
+# with ``a_tj`` the summed magnitudes of the terms forming ``w_tj`` (the
+# spec's ``ImpliedWeights.magnitudes``) and ``γ`` a small multiple of the unit
+# roundoff u (Higham, "Accuracy and Stability of Numerical Algorithms", §3.1).
+# To first order, then,
+#
+#     |δout_td| <= γ (Σ_j a_tj |v_jd| + |out_td| Σ_j a_tj) / |den_t|.
+#
+# For positive features a = w, and this is γ times (the weighted mean of
+# |v| + |out|): a fixed tolerance. For signed (random Fourier) features the
+# normaliser can cancel, ``Σ a / |den|`` is the row's condition number, and
+# two correct float32 programs may honestly differ by that much.
+
+# γ / u. The blocked and pairwise sums here stay far below the worst case
+# n·u: over 20 input seeds, every shape, mode and implementation, the fast
+# paths and the float32 oracle stay within 6.1 u of the bound's terms.
+CONDITIONING_FACTOR = 16.0
+
+
+def unit_roundoff(dtype) -> float:
+  """u = 2^-(p) for a dtype with p bits of significand (float32: 2^-24)."""
+  return 2.0 ** -(jnp.finfo(dtype).nmant + 1)
+
+
+def conditioning_bound(weights, value, out, dtype) -> np.ndarray:
+  """Per-element error bound ``[B, T, N, D]`` of a kernel variant's output (see above).
+
+  ``weights`` is the spec's ``ImpliedWeights`` (``[B, N, T, S]``) and ``out``
+  the exact output, both float64; ``value`` is ``[B, S, K, D]``. Computation
+  runs in float32 for 16-bit inputs, whose outputs are rounded once more to
+  ``dtype`` at the end.
+  """
+  a = np.asarray(weights.magnitudes, np.float64)
+  G = a.shape[1] // value.shape[2]
+  abs_v = np.repeat(np.abs(np.asarray(value, np.float64)), G, axis=2)  # [B, S, N, D]
+  abs_out = np.abs(np.asarray(out, np.float64))
+  row = lambda x: np.asarray(x, np.float64).transpose(0, 2, 1)[..., None]  # noqa: E731
+  terms = np.einsum("bnts,bsnd->btnd", a, abs_v) + abs_out * row(a.sum(-1))
+  den = np.abs(row(weights.normalizer))
+  scaled = np.divide(terms, den, out=np.zeros_like(terms), where=terms > 0)
+  u_compute = unit_roundoff(accumulation_dtype(dtype))
+  final_rounding = unit_roundoff(dtype) * abs_out + float(jnp.finfo(dtype).smallest_subnormal) / 2
+  return CONDITIONING_FACTOR * u_compute * scaled + final_rounding
+
+
+def oracle_output(spec, options, q, k, v, is_causal, lengths):
+  """The spec's oracle on ``q, k, v``; float64 (same rounded inputs) when it judges by weights.
+
+  Returns ``(out, weights)``; ``weights`` is None for variants judged by the table.
+  """
+  what = spec.what_options({**spec.test_options, **options})
+  oracle = spec.build_reference(**what)
+  if spec.weights is None:
+    return oracle(q, k, v, is_causal=is_causal, key_value_seq_lengths=lengths), None
+  with jax.enable_x64(True):
+    q64, k64, v64 = (jnp.asarray(x, jnp.float64) for x in (q, k, v))
+    out = oracle(q64, k64, v64, is_causal=is_causal, key_value_seq_lengths=lengths)
+    weights = spec.weights(q64, k64, is_causal=is_causal, key_value_seq_lengths=lengths, **what)
+    return np.asarray(out), jax.tree.map(np.asarray, weights)
+
+
+def _assert_within(got, want, bound, dtype, what: str, err_msg: str) -> None:
+  """``|got - want| <= bound`` element-wise; ±inf passes only where rounding may overflow.
+
+  Where a signed normaliser nearly cancels, the exact value can exceed a
+  16-bit dtype's range; the result may then be ±inf, but only with the
+  exact value's sign and where ``|want| + bound`` reaches the dtype's max.
+  """
+  got = np.asarray(got, np.float64)
+  excess = np.abs(got - want) - bound
+  overflow = (np.isinf(got) & (np.sign(got) == np.sign(want))
+              & (np.abs(want) + bound >= float(jnp.finfo(dtype).max)))
+  excess = np.where(overflow, -np.inf, np.where(np.isnan(got), np.inf, excess))
+  if np.any(excess > 0):
+    i = np.unravel_index(np.argmax(excess), excess.shape)
+    raise AssertionError(
+        f"{err_msg} {what}: {np.sum(excess > 0)} of {excess.size} elements exceed the "
+        f"conditioning bound; worst at {i}: got {got[i]:.9g}, float64 oracle {want[i]:.9g}, "
+        f"bound {bound[i]:.3g}.")
+
+
+def assert_matches_oracle(got, spec, q, k, v, *, is_causal, lengths=None, options=None,
+                          err_msg: str = "") -> None:
+  """Judges ``got`` (a fast path's output on ``q, k, v``) against the spec's oracle.
+
+  Variants with ``weights`` are judged against the float64 oracle on the
+  same rounded inputs, element by element within :func:`conditioning_bound`;
+  the others against the oracle in the input's precision, within
+  ``TOLERANCE`` (their normalisers are sums of positive terms).
+  """
+  dtype = jnp.dtype(q.dtype)
+  want, weights = oracle_output(spec, options or {}, q, k, v, is_causal, lengths)
+  if weights is None:
+    assert_close(got, want, dtype, err_msg=err_msg)
+    return
+  _assert_within(got, want, conditioning_bound(weights, v, want, dtype), dtype, "output",
+                 err_msg)
+
+
+def assert_stress_output_matches_oracle(got, spec, q, k, v, *, is_causal, lengths, amplitude,
+                                        err_msg: str = "") -> None:
+  """Judges outputs on stress inputs (16-bit, entries of size ``amplitude``).
+
+  Signed weights keep :func:`conditioning_bound`. For the other variants,
+  the feature maps' own rounding (FAVOR+ exponents of size ``|x|²``) is not
+  in that bound's model: compare to the float32 oracle within ``TOLERANCE``
+  scaled by the amplitude, and require finite outputs.
+  """
+  dtype = jnp.dtype(q.dtype)
+  want, weights = oracle_output(spec, {}, q, k, v, is_causal, lengths)
+  if weights is not None and _signed(weights):
+    _assert_within(got, want, conditioning_bound(weights, v, want, dtype), dtype, "output",
+                   err_msg)
+    return
+  oracle = spec.build_reference(**spec.what_options(spec.test_options))
+  want = oracle(*(x.astype(jnp.float32) for x in (q, k, v)), is_causal=is_causal,
+                key_value_seq_lengths=lengths)
+  assert np.all(np.isfinite(np.asarray(got, np.float32))), f"{err_msg} output not finite"
+  atol, rtol = TOLERANCE[dtype]
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=atol * amplitude,
+                             rtol=rtol, err_msg=err_msg)
+
+
+# Gradients -------------------------------------------------------------------------
+#
+# To first order, a float32 program's gradient is the exact gradient of the
+# same maths at weights, numerators and normalisers perturbed by their
+# rounding: ``w_tj + ε_tj a_tj``, ``num_td + ν_td Σ_j a_tj |v_jd|`` and
+# ``den_t + δ_t Σ_j a_tj``, each perturbation within γ. The gradient's error
+# is then within ``γ Σ_p |∂g/∂p|`` over all those unit perturbations p,
+# which ``jax.jacfwd`` computes exactly in float64. Where the normaliser
+# cancels this term carries the 1/den² the gradient picks up; for positive
+# features it is below the fixed table, so only signed weights pay for it.
+
+
+def _signed(weights) -> bool:
+  return bool(np.any(np.asarray(weights.magnitudes)
+                     > np.abs(np.asarray(weights.weights)) * (1 + 1e-9)))
+
+
+def _loss_of(fn, is_causal, lengths, ct):
+  def loss(q, k, v):
+    out = fn(q, k, v, is_causal=is_causal, key_value_seq_lengths=lengths)
+    return jnp.sum(out.astype(ct.dtype) * ct)
+  return loss
+
+
+def gradient_sensitivity(spec, what, q, k, v, *, is_causal, lengths, ct):
+  """``Σ_p |∂g/∂p|`` for each gradient element (float64; see above)."""
+  G = q.shape[2] // k.shape[2]
+
+  def perturbed_gradient(perturbation):
+    epsilon, nu, delta = perturbation  # [B, N, T, S], [B, T, N, D], [B, N, T].
+
+    def loss(q, k, v):
+      weights = spec.weights(q, k, is_causal=is_causal, key_value_seq_lengths=lengths, **what)
+      a = jax.lax.stop_gradient(weights.magnitudes)
+      w = weights.weights + epsilon * a
+      v_n = jnp.repeat(v, G, axis=2)  # [B, S, N, D]
+      num = (jnp.einsum("bnts,bsnd->btnd", w, v_n)
+             + nu * jnp.einsum("bnts,bsnd->btnd", a, jnp.abs(v_n)))
+      den = weights.normalizer + jnp.sum(epsilon * a, -1) + delta * jnp.sum(a, -1)
+      return jnp.sum(ct * num / den.transpose(0, 2, 1)[..., None])
+
+    return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+  B, T, N, _ = q.shape
+  S, D = k.shape[1], v.shape[-1]
+  zeros = tuple(jnp.zeros(s, q.dtype) for s in ((B, N, T, S), (B, T, N, D), (B, N, T)))
+  jacobian = jax.jacfwd(perturbed_gradient)(zeros)
+  return tuple(sum(np.abs(np.asarray(j)).reshape(g.shape + (-1,)).sum(-1) for j in js)
+               for g, js in zip((q, k, v), jacobian, strict=True))
+
+
+def oracle_gradients(spec, options, q, k, v, is_causal, lengths, ct, with_sensitivity=True):
+  """``(grads, sensitivity)``: the oracle's gradients of ``Σ ct·out`` for ``q, k, v``.
+
+  In the input's precision for table-judged variants (sensitivity None);
+  in float64 on the same rounded inputs otherwise, with
+  :func:`gradient_sensitivity` for signed weights (else zeros).
+  """
+  what = spec.what_options({**spec.test_options, **options})
+  oracle = spec.build_reference(**what)
+  if spec.weights is None:
+    ct = jnp.asarray(ct, jnp.float32)
+    return jax.grad(_loss_of(oracle, is_causal, lengths, ct), argnums=(0, 1, 2))(q, k, v), None
+  with jax.enable_x64(True):
+    q, k, v, ct = (jnp.asarray(x, jnp.float64) for x in (q, k, v, ct))
+    grads = jax.grad(_loss_of(oracle, is_causal, lengths, ct), argnums=(0, 1, 2))(q, k, v)
+    weights = spec.weights(q, k, is_causal=is_causal, key_value_seq_lengths=lengths, **what)
+    if with_sensitivity and _signed(weights):
+      sensitivity = gradient_sensitivity(spec, what, q, k, v, is_causal=is_causal,
+                                         lengths=lengths, ct=ct)
+    else:
+      sensitivity = tuple(np.zeros(g.shape) for g in grads)
+    return tuple(np.asarray(g) for g in grads), sensitivity
+
+
+def assert_gradients_match_oracle(grads, spec, q, k, v, *, is_causal, lengths, ct,
+                                  options=None, err_msg: str = "") -> None:
+  """Judges gradients of ``Σ ct·out`` for ``q, k, v`` against the oracle's.
+
+  Within ``GRAD_TOLERANCE``, plus for signed weights ``γ Σ_p |∂g/∂p|``
+  (see :func:`gradient_sensitivity`) against the float64 oracle.
+  """
+  dtype = jnp.dtype(q.dtype)
+  wants, sensitivity = oracle_gradients(spec, options or {}, q, k, v, is_causal, lengths, ct)
+  atol, rtol = GRAD_TOLERANCE[dtype]
+  for name, g, want in zip("qkv", grads, wants, strict=True):
+    assert g.dtype == dtype
+    if sensitivity is None:
+      assert_close(g, want, dtype, GRAD_TOLERANCE, err_msg=f"{err_msg} d{name}")
+      continue
+    gamma = CONDITIONING_FACTOR * unit_roundoff(accumulation_dtype(dtype))
+    bound = atol + rtol * np.abs(want) + gamma * sensitivity["qkv".index(name)]
+    _assert_within(g, want, bound, dtype, f"d{name}", err_msg)
+
+
+def assert_finite_gradients(grads, spec, q, k, v, *, is_causal, lengths, ct,
+                            err_msg: str = "") -> None:
+  """Gradients are finite wherever the exact ones fit the dtype with room to spare.
+
+  For table-judged variants: everywhere. Signed weights can make an exact
+  gradient exceed a 16-bit range (a normaliser near zero); there ±inf is
+  the correctly rounded result, so only elements below half the dtype's
+  max must be finite.
+  """
+  dtype = jnp.dtype(q.dtype)
+  if spec.weights is None:
+    for name, g in zip("qkv", grads, strict=True):
+      assert np.all(np.isfinite(np.asarray(g, np.float32))), f"{err_msg} d{name} not finite"
+    return
+  wants, _ = oracle_gradients(spec, {}, q, k, v, is_causal, lengths, ct, with_sensitivity=False)
+  limit = float(jnp.finfo(dtype).max) / 2
+  for name, g, want in zip("qkv", grads, wants, strict=True):
+    bad = ~np.isfinite(np.asarray(g, np.float64)) & (np.abs(want) < limit)
+    assert not np.any(bad), f"{err_msg} d{name}: not finite at {np.argwhere(bad)[:5].tolist()}"

@@ -9,5 +9,21 @@ optimised code, run with e.g. ``XLA_FLAGS=`` (empty) set.
 
 import os
 
+import pytest
+
 os.environ.setdefault(
     "XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
+
+
+def pytest_addoption(parser):
+  parser.addoption(
+      "--seeds", type=int, default=1,
+      help="input seeds each parity test of the shared suite runs (default 1, the CI "
+           "setting). A sweep, e.g. --seeds=20, shows that no tolerance holds by luck; the "
+           "compiled programs are reused across seeds.")
+
+
+@pytest.fixture(scope="session")
+def seeds(request):
+  """``range(--seeds)``: the input seeds of the parity tests."""
+  return range(request.config.getoption("--seeds"))

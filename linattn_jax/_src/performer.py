@@ -297,10 +297,10 @@ def _register(name: str, kernel: str, num_features: int,
 
 
 _register("performer", "positive", num_features=16)
-# Trigonometric features are signed, with a variance growing like
-# exp(‖q̂‖² + ‖k̂‖²): with few directions the normaliser of some of the suite's
-# rows nearly cancels, which amplifies float32 rounding differences between
-# implementations past its tolerance; 4096 keep every row well conditioned.
-# Same engine as "performer", which the suite runs in every form.
-_register("random_fourier", "trig", num_features=4096,
+# Trigonometric features are signed, so some of the suite's rows have a
+# normaliser that nearly cancels (more features do not prevent it: the
+# estimator's variance grows like exp(‖q̂‖² + ‖k̂‖²)); the suite judges those
+# rows by their conditioning. Same engine as "performer", which the suite
+# runs in every form.
+_register("random_fourier", "trig", num_features=16,
           suite_implementations=("parallel", "chunked"))

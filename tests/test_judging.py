@@ -1,0 +1,148 @@
+"""The suite's judge catches real bugs, for signed and positive feature maps alike.
+
+``assert_matches_oracle`` lets each element of a kernel variant's output
+differ from the float64 oracle by what its row's conditioning allows (see
+``_helpers``). That bound is loose exactly where the normaliser cancels, so
+these tests show it is still tight enough to fail plausible bugs in the
+engine: each bug is patched into ``linattn_jax._src.linear`` for one call,
+and the judge must reject the result while accepting the unpatched one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _helpers import SHAPES, assert_matches_oracle, build, kv_lengths, make_qkv, oracle_output
+from jax import lax
+
+import linattn_jax as la
+from linattn_jax._src import linear
+from linattn_jax._src.blocks import merge_blocks, pad_axis, split_blocks
+from linattn_jax._src.masks import causal
+
+DROPPED = 2  # Visible to every query from position 2 on.
+EPS = 1e-2  # Large enough that misplacing it moves outputs well past float32 noise.
+
+
+def _dropped_key(featurize):
+  """Bug: key ``DROPPED`` never reaches the sums (as if padded)."""
+  def wrapped(*args, **kwargs):
+    fq, fk, lk, v = featurize(*args, **kwargs)
+    return fq, fk.at[:, :, DROPPED].set(0), lk.at[:, :, DROPPED].set(-jnp.inf), v
+  return wrapped
+
+
+def _eps_outside(normalize):
+  """Bug: ``num / den + eps`` (eps moved out of the normaliser)."""
+  def wrapped(num, den, eps):
+    return normalize(num, den, 0.0) + eps
+  return wrapped
+
+
+def _eps_per_key(normalize):
+  """Bug: eps added to each of the S keys' weights inside the sum, not once to the sum."""
+  def wrapped(num, den, eps):
+    return normalize(num, den, eps * SHAPES[0].S)
+  return wrapped
+
+
+def _late_state(causal_engine):
+  """Bug: each chunk reads the state as it was one chunk earlier (T == S only)."""
+  del causal_engine
+
+  def late(body, carry, fq, fk, lk, v, *, chunk_size, eps):
+    del body
+    T = fq.shape[3]
+    C = min(chunk_size, T)
+    lk = pad_axis(lk, 2, C, -jnp.inf)
+    xs = (split_blocks(fq, 3, C), *(split_blocks(x, 2, C) for x in (fk, lk, v)))
+
+    def step(carries, x):
+      previous, current = carries
+      out = linear._masked_block(previous, *x, causal(C), eps)
+      return (current, linear.combine(current, linear.summarize(*x[1:]))), out
+
+    (_, carry), out = lax.scan(step, (carry, carry), xs)
+    return merge_blocks(out, 3, T), carry
+  return late
+
+
+BUGS = {
+    "dropped_key": ("_featurize", _dropped_key, (False, True)),
+    "eps_outside_normaliser": ("_normalize", _eps_outside, (False, True)),
+    "eps_per_key": ("_normalize", _eps_per_key, (False, True)),
+    "state_one_chunk_late": ("_causal", _late_state, (True,)),
+}
+CASES = [(name, bug, is_causal) for bug, (_, _, modes) in BUGS.items() for is_causal in modes
+         for name in ("linear_elu", "random_fourier")]
+
+
+@contextlib.contextmanager
+def _patched(target: str, make_bug):
+  """Runs the linear engine with ``target`` replaced by ``make_bug(original)``.
+
+  The engine's jitted entry point is swapped for its Python function, so no
+  program compiled before the patch is reused and none compiled under it
+  outlives it.
+  """
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(linear, "_kernel_attention", linear._kernel_attention.__wrapped__)
+    mp.setattr(linear, target, make_bug(getattr(linear, target)))
+    yield
+
+
+@pytest.mark.parametrize("name, bug, is_causal", CASES,
+                         ids=[f"{n}-{b}-{'causal' if c else 'full'}" for n, b, c in CASES])
+def test_judge_rejects_a_broken_engine_and_accepts_the_real_one(name, bug, is_causal):
+  spec = la.get_spec(name)
+  fast, _ = build(spec, "chunked", eps=EPS)
+  q, k, v = make_qkv(SHAPES[0])  # T = S = 13: three full chunks of 4 and a partial one.
+  run = functools.partial(fast, is_causal=is_causal)
+  judge = functools.partial(assert_matches_oracle, spec=spec, q=q, k=k, v=v,
+                            is_causal=is_causal, options={"eps": EPS})
+  judge(jax.jit(run)(q, k, v))
+  target, make_bug, _ = BUGS[bug]
+  with _patched(target, make_bug):
+    broken = jax.jit(lambda *qkv: run(*qkv))(*(q, k, v))  # A new function: a new trace.
+  with pytest.raises(AssertionError, match="exceed the conditioning bound"):
+    judge(broken)
+
+
+WEIGHTED = [name for name in la.available_attentions() if la.get_spec(name).weights is not None]
+
+
+@pytest.mark.parametrize("name", WEIGHTED)
+def test_implied_weights_rebuild_the_oracle_and_bound_their_magnitudes(name):
+  spec = la.get_spec(name)
+  for shape, is_causal in itertools.product(SHAPES, (False, True)):
+    q, k, v = make_qkv(shape, seed=3)
+    lengths = kv_lengths(shape)
+    want, w = oracle_output(spec, {}, q, k, v, is_causal, lengths)
+    G = shape.N // shape.K
+    with jax.enable_x64(True):
+      rebuilt = jnp.einsum("bnts,bsnd->btnd", w.weights, jnp.repeat(v.astype(jnp.float64), G, 2))
+      rebuilt = rebuilt / w.normalizer.transpose(0, 2, 1)[..., None]
+    np.testing.assert_allclose(rebuilt, want, rtol=1e-9, atol=1e-12, err_msg=f"{shape}")
+    assert np.all(w.magnitudes >= np.abs(w.weights) * (1 - 1e-12))
+    hidden = ~np.asarray(la.masks.causal(shape.T, shape.S)) if is_causal else False
+    hidden = hidden | (np.arange(shape.S) >= np.asarray(lengths)[:, None, None, None])
+    assert np.all(np.where(hidden, w.magnitudes, 0) == 0), "hidden keys must weigh nothing"
+
+
+@pytest.mark.parametrize("name", WEIGHTED)
+def test_float32_oracle_is_within_the_bound_too(name):
+  """The bound is no fit to the fast paths: the oracle's own float32 run obeys it."""
+  spec = la.get_spec(name)
+  _, oracle = build(spec, None)
+  for shape, is_causal, seed in itertools.product(SHAPES, (False, True), range(3)):
+    q, k, v = make_qkv(shape, seed=seed)
+    lengths = kv_lengths(shape)
+    got = oracle(q, k, v, is_causal=is_causal, key_value_seq_lengths=lengths)
+    assert_matches_oracle(got, spec, q, k, v, is_causal=is_causal, lengths=lengths,
+                          err_msg=f"{shape} causal={is_causal} seed {seed}:")
