@@ -295,7 +295,7 @@ def gradient_sensitivity(spec, what, q, k, v, *, is_causal, lengths, ct):
   S, D = k.shape[1], v.shape[-1]
   zeros = tuple(jnp.zeros(s, q.dtype) for s in ((B, N, T, S), (B, T, N, D), (B, N, T)))
   jacobian = jax.jacfwd(perturbed_gradient)(zeros)
-  return tuple(sum(np.abs(np.asarray(j)).reshape(g.shape + (-1,)).sum(-1) for j in js)
+  return tuple(sum(jnp.abs(j).reshape(g.shape + (-1,)).sum(-1) for j in js)
                for g, js in zip((q, k, v), jacobian, strict=True))
 
 
@@ -315,9 +315,11 @@ def oracle_gradients(spec, options, q, k, v, is_causal, lengths, ct, with_sensit
     q, k, v, ct = (jnp.asarray(x, jnp.float64) for x in (q, k, v, ct))
     grads = jax.grad(_loss_of(oracle, is_causal, lengths, ct), argnums=(0, 1, 2))(q, k, v)
     weights = spec.weights(q, k, is_causal=is_causal, key_value_seq_lengths=lengths, **what)
-    if with_sensitivity and _signed(weights):
-      sensitivity = gradient_sensitivity(spec, what, q, k, v, is_causal=is_causal,
-                                         lengths=lengths, ct=ct)
+    if with_sensitivity and _signed(weights):  # One compile beats thousands of eager ops.
+      sensitivity = jax.jit(lambda *qkv_ct: gradient_sensitivity(
+          spec, what, *qkv_ct[:3], is_causal=is_causal, lengths=lengths, ct=qkv_ct[3]))(
+              q, k, v, ct)
+      sensitivity = tuple(np.asarray(x) for x in sensitivity)
     else:
       sensitivity = tuple(np.zeros(g.shape) for g in grads)
     return tuple(np.asarray(g) for g in grads), sensitivity
@@ -353,12 +355,21 @@ def assert_finite_gradients(grads, spec, q, k, v, *, is_causal, lengths, ct,
   max must be finite.
   """
   dtype = jnp.dtype(q.dtype)
-  if spec.weights is None:
-    for name, g in zip("qkv", grads, strict=True):
-      assert np.all(np.isfinite(np.asarray(g, np.float32))), f"{err_msg} d{name} not finite"
+  finite = [np.all(np.isfinite(np.asarray(g, np.float32))) for g in grads]
+  if all(finite) or spec.weights is None:
+    assert all(finite), f"{err_msg} d{'qkv'[finite.index(False)]} not finite"
     return
   wants, _ = oracle_gradients(spec, {}, q, k, v, is_causal, lengths, ct, with_sensitivity=False)
   limit = float(jnp.finfo(dtype).max) / 2
   for name, g, want in zip("qkv", grads, wants, strict=True):
     bad = ~np.isfinite(np.asarray(g, np.float64)) & (np.abs(want) < limit)
     assert not np.any(bad), f"{err_msg} d{name}: not finite at {np.argwhere(bad)[:5].tolist()}"
+
+
+def has_custom_vjp(fn, *args) -> bool:
+  """Whether ``fn(*args)`` runs a hand-written backward (a ``custom_vjp`` in its jaxpr)."""
+  def walk(jaxpr) -> bool:
+    return any(eqn.primitive.name.startswith("custom_vjp")
+               or any(walk(sub) for sub in jax.extend.core.jaxprs_in_params(eqn.params))
+               for eqn in jaxpr.eqns)
+  return walk(jax.make_jaxpr(fn)(*args).jaxpr)

@@ -4,7 +4,7 @@ A variant joins by registering an ``AttentionSpec``; every implementation it
 lists is checked here against the spec's oracle:
 
 1. forward parity (odd lengths, T < S, T > S, GQA, MQA, D != H, padding);
-2. gradient parity, and a float64 finite-difference check;
+2. gradient parity on the same cases, and a float64 finite-difference check;
 3. causality, by the Jacobian and by perturbing future tokens;
    streaming: scanning the one-token step equals the causal pass, and
    splitting a sequence anywhere and carrying the state equals one pass;
@@ -37,6 +37,7 @@ from _helpers import (
   build,
   case_id,
   cotangent,
+  has_custom_vjp,
   kv_lengths,
   make_qkv,
   spec_cases,
@@ -82,37 +83,13 @@ def _check_or_expect_error(spec, impl, fast, q, k, v, is_causal) -> bool:
   return False
 
 
-# 1. Forward parity ---------------------------------------------------------
+# 1, 2. Forward and gradient parity ---------------------------------------------
 
 
 # Each shape runs with padding or without (``lengths=None`` is its own code
 # path), so that both are seen on T = S, T < S and T > S across the shapes
 # without doubling the cases. Later tests add padding where this has none.
-FORWARD_CASES = ((SHAPES[0], True), (SHAPES[1], False), (SHAPES[2], True))
-
-
-@parity_case_param
-@causal_param
-@pytest.mark.parametrize("shape, padded", FORWARD_CASES,
-                         ids=[f"{s}-{'padded' if p else 'dense'}" for s, p in FORWARD_CASES])
-def test_forward_matches_reference(case, is_causal, shape, padded, seeds):
-  spec, impl = case
-  fast, _ = build(spec, impl)
-  q, k, v = make_qkv(shape)
-  if not _check_or_expect_error(spec, impl, fast, q, k, v, is_causal):
-    return
-  lengths = kv_lengths(shape) if padded else None
-  fn = jax.jit(functools.partial(_call, fast, is_causal=is_causal, lengths=lengths))
-  for seed in seeds:
-    q, k, v = make_qkv(shape, seed=seed)
-    got = fn(q, k, v)
-    assert got.shape == (shape.B, shape.T, shape.N, shape.D)
-    assert got.dtype == q.dtype
-    assert_matches_oracle(got, spec, q, k, v, is_causal=is_causal, lengths=lengths,
-                          err_msg=f"seed {seed}:")
-
-
-# 2. Gradients --------------------------------------------------------------
+PARITY_SHAPES = ((SHAPES[0], True), (SHAPES[1], False), (SHAPES[2], True))
 
 
 def _loss(fn, is_causal, lengths, ct):
@@ -124,38 +101,69 @@ def _loss(fn, is_causal, lengths, ct):
 
 @parity_case_param
 @causal_param
-@pytest.mark.parametrize("shape", SHAPES[:2], ids=str)
-def test_gradient_matches_reference(case, is_causal, shape, seeds):
+@pytest.mark.parametrize("shape, padded", PARITY_SHAPES,
+                         ids=[f"{s}-{'padded' if p else 'dense'}" for s, p in PARITY_SHAPES])
+def test_output_and_gradients_match_reference(case, is_causal, shape, padded, seeds):
+  """One compiled program gives the output and the gradients of ``Σ ct·out``."""
   spec, impl = case
   fast, _ = build(spec, impl)
   q, k, v = make_qkv(shape)
   if not _check_or_expect_error(spec, impl, fast, q, k, v, is_causal):
     return
-  lengths = kv_lengths(shape)
-  grad = jax.jit(lambda ct, *qkv: jax.grad(_loss(fast, is_causal, lengths, ct), argnums=(0, 1, 2))(
-      *qkv))
+  lengths = kv_lengths(shape) if padded else None
+
+  @jax.jit
+  def output_and_gradients(ct, q, k, v):
+    out, vjp = jax.vjp(lambda *qkv: _call(fast, *qkv, is_causal, lengths), q, k, v)
+    return out, vjp(ct.astype(out.dtype))
+
   for seed in seeds:
     q, k, v = make_qkv(shape, seed=seed)
     ct = cotangent(jnp.zeros((shape.B, shape.T, shape.N, shape.D)), seed=seed + 1)
-    assert_gradients_match_oracle(grad(ct, q, k, v), spec, q, k, v, is_causal=is_causal,
-                                  lengths=lengths, ct=ct, err_msg=f"seed {seed}:")
+    out, grads = output_and_gradients(ct, q, k, v)
+    assert out.shape == (shape.B, shape.T, shape.N, shape.D)
+    assert out.dtype == q.dtype
+    msg = f"seed {seed}:"
+    assert_matches_oracle(out, spec, q, k, v, is_causal=is_causal, lengths=lengths, err_msg=msg)
+    assert_gradients_match_oracle(grads, spec, q, k, v, is_causal=is_causal, lengths=lengths,
+                                  ct=ct, err_msg=msg)
 
 
-@case_param
+SPECS = sorted({spec.name: spec for spec, _ in CASES}.values(), key=lambda spec: spec.name)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda spec: spec.name)
 @pytest.mark.parametrize("is_causal, padded", [(False, False), (True, True)],
                          ids=["full-dense", "causal-padded"])
-def test_gradient_finite_differences_float64(case, is_causal, padded):
-  spec, impl = case
+def test_gradient_finite_differences_float64(spec, is_causal, padded):
+  """Float64 finite differences for the oracle and every hand-written backward.
+
+  Gradients that autodiff derives (every other implementation) are judged
+  against the oracle's in ``test_gradient_matches_reference``, at a tighter
+  tolerance than finite differences allow; this check makes that oracle,
+  and each ``custom_vjp``, trustworthy.
+  """
   with jax.enable_x64(True):
-    fast, _ = build(spec, impl)
     q, k, v = make_qkv(TINY, jnp.float64)
-    if not _check_or_expect_error(spec, impl, fast, q, k, v, is_causal):
-      return
     lengths = jnp.asarray([3], jnp.int32) if padded else None
-    f = jax.jit(functools.partial(_call, fast, is_causal=is_causal, lengths=lengths))
-    # 1e-3, not tighter: the "xla" path (jax.nn) takes its softmax in float32
-    # even for float64 inputs. A wrong gradient is off by far more.
-    jax.test_util.check_grads(f, (q, k, v), order=1, modes=("rev",), atol=1e-3, rtol=1e-3)
+    checked = []
+    for impl in (spec.suite_implementations or spec.implementations):
+      fast, ref = build(spec, impl)
+      if not _check_or_expect_error(spec, impl, fast, q, k, v, is_causal):
+        continue
+      f = functools.partial(_call, fast, is_causal=is_causal, lengths=lengths)
+      if impl not in ("reference", None) and not has_custom_vjp(f, q, k, v):
+        continue
+      # 1e-3, not tighter: the "xla" path (jax.nn) takes its softmax in float32
+      # even for float64 inputs. A wrong gradient is off by far more.
+      jax.test_util.check_grads(jax.jit(f), (q, k, v), order=1, modes=("rev",), atol=1e-3,
+                                rtol=1e-3)
+      checked.append(impl)
+    # Specs whose implementations= do not list their oracle.
+    if "reference" not in checked and spec.supports("reference", is_causal):
+      f = functools.partial(_call, ref, is_causal=is_causal, lengths=lengths)
+      jax.test_util.check_grads(jax.jit(f), (q, k, v), order=1, modes=("rev",), atol=1e-3,
+                                rtol=1e-3)
 
 
 # 3. Causality --------------------------------------------------------------
@@ -287,17 +295,17 @@ def test_vmap_and_unbatched(case):
   shape = SHAPES[0]
   q, k, v = make_qkv(shape)
   lengths = kv_lengths(shape)
-  batched = _call(fast, q, k, v, is_causal, lengths)
-  one = _call(fast, q[1], k[1], v[1], is_causal, lengths[1])
+  # Compiled: eager execution has its own test above.
+  call = jax.jit(lambda q, k, v, n: _call(fast, q, k, v, is_causal, n))
+  batched = call(q, k, v, lengths)
+  one = call(q[1], k[1], v[1], lengths[1])
   np.testing.assert_allclose(one, batched[1], rtol=1e-5, atol=1e-6)
   # vmap over an extra leading axis (two independent batches).
   stack = lambda x: jnp.stack([x, x[::-1]])  # noqa: E731
-  mapped = jax.vmap(lambda q, k, v, n: _call(fast, q, k, v, is_causal, n))(
-      stack(q), stack(k), stack(v), stack(lengths))
+  mapped = jax.jit(jax.vmap(call))(stack(q), stack(k), stack(v), stack(lengths))
   np.testing.assert_allclose(mapped[0], batched, rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(
-      mapped[1], _call(fast, q[::-1], k[::-1], v[::-1], is_causal, lengths[::-1]),
-      rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(mapped[1], call(q[::-1], k[::-1], v[::-1], lengths[::-1]),
+                             rtol=1e-5, atol=1e-6)
 
 
 # 5. Low precision -----------------------------------------------------------
