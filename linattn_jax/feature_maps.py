@@ -1,8 +1,8 @@
 """Feature maps φ for kernel (linear) attention, and random projections.
 
 A feature map is ``phi(x, *, is_query=False) -> [..., M]`` for ``x`` of shape
-``[..., H]``. Maps built by the factories hash by identity, so they can be
-static options under ``jax.jit``.
+``[..., H]``. Maps built by the factories are pytrees whose arrays are
+leaves: new parameter values of the same shapes reuse compiled programs.
 """
 
 from linattn_jax._src.feature_maps import (

@@ -373,3 +373,23 @@ def has_custom_vjp(fn, *args) -> bool:
                or any(walk(sub) for sub in jax.extend.core.jaxprs_in_params(eqn.params))
                for eqn in jaxpr.eqns)
   return walk(jax.make_jaxpr(fn)(*args).jaxpr)
+
+
+class CompileCounter:
+  """Counts XLA compilations while active: ``with CompileCounter() as c: ...; c.count``."""
+
+  EVENT = "/jax/core/compile/backend_compile_duration"
+
+  def __init__(self):
+    self.count = 0
+
+  def _listener(self, event: str, duration: float, **kwargs) -> None:
+    del duration, kwargs
+    self.count += event == self.EVENT
+
+  def __enter__(self):
+    jax.monitoring.register_event_duration_secs_listener(self._listener)
+    return self
+
+  def __exit__(self, *exc):
+    jax.monitoring.unregister_event_duration_listener(self._listener)

@@ -1,5 +1,5 @@
 """Feature maps: values, bf16 safety, unbiasedness of the random features,
-orthogonal projections, shape errors and static (hashable) use under jit."""
+orthogonal projections, shape errors, and parameters as pytree leaves."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import jax.test_util
 import numpy as np
 import pytest
 import scipy.stats
+from _helpers import CompileCounter
 
+import linattn_jax as la
 from linattn_jax import feature_maps as fm
 
 H = 4
@@ -149,20 +151,29 @@ def test_shape_errors_name_the_shapes():
     fm.orthogonal_random_projection(jax.random.key(0), 0, 4)
 
 
-def test_feature_maps_are_static_options_under_jit():
-  phi = fm.favor_plus(fm.orthogonal_random_projection(jax.random.key(0), 8, H))
-  traces = []
+def test_parameters_are_pytree_leaves_and_new_values_compile_nothing():
+  """Maps carry their arrays as data: new values of the same shapes reuse programs."""
+  x = 0.3 * jax.random.normal(jax.random.key(9), (2, 5, 2, H))
+  w, b = jnp.full((H, 6), 0.1), jnp.zeros(6)
+  assert len(jax.tree.leaves(fm.projected(w, b))) == 2
+  p1, p2 = (fm.orthogonal_random_projection(jax.random.key(i), 8, H) for i in (0, 1))
+  assert jax.tree.leaves(fm.favor_plus(p1))[0] is p1
 
-  def run(x, phi):
-    traces.append(None)
-    return phi(x)
+  def loss(w, b, x):  # Eager jax.grad, as a training loop would call it.
+    return la.linear_attention(x, x, x, feature_map=fm.projected(w, b), is_causal=True).sum()
 
-  jitted = jax.jit(run, static_argnames="phi")
-  x = jnp.ones((2, H))
-  jitted(x, phi)
-  jitted(x + 1, phi)
-  assert len(traces) == 1  # Same object: reused compilation.
-  jitted(x, fm.favor_plus(phi.projection))
-  assert len(traces) == 2  # Identity hashing: a new object compiles anew.
-  hash(fm.projected(jnp.ones((H, 3)), jnp.ones(3)))
-  hash(fm.random_fourier(phi.projection))
+  grad = jax.grad(loss, argnums=(0, 1))
+  calls = [
+      (grad, (w, b, x), (w + 0.5, b - 0.1, x)),
+      (lambda p: la.performer_attention(x, x, x, projection=p, is_causal=True), (p1,), (p2,)),
+      (lambda p: la.linear_attention(x, x, x, feature_map=fm.favor_plus(p)), (p1,), (p2,)),
+      (jax.jit(lambda phi, x: la.linear_attention(x, x, x, feature_map=phi)),
+       (fm.random_fourier(p1), x), (fm.random_fourier(p2), x)),
+  ]
+  for i, (fn, first, second) in enumerate(calls):
+    a = fn(*first)
+    with CompileCounter() as compiles:
+      b_ = fn(*second)
+    assert compiles.count == 0, f"call {i}: new parameter values compiled {compiles.count}x"
+    assert not all(np.allclose(u, v) for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b_),
+                                                     strict=True)), f"call {i}: vacuous"

@@ -21,10 +21,12 @@ The random-feature maps estimate the softmax kernel ``exp(q·k / √H)``
 
 Both give ``E[φ(q)·φ(k)] = exp(q̂·k̂) = exp(q·k / √H)``.
 
-Maps built by the factories here are small frozen dataclasses. They hash and
-compare by identity (``eq=False``), so they can be passed as static options
-under ``jax.jit``: reuse one object to reuse the compiled function (a new
-object, even with equal arrays, compiles anew).
+Maps built by the factories here are small frozen dataclasses registered as
+pytrees: their arrays (a projection, a weight and bias) are leaves, their kind
+is the static structure. The attention functions pass those arrays to their
+compiled programs as data, so a map with new values of the same shapes (a
+redrawn projection, updated weights) reuses the compiled program, and a map
+can itself be an argument of ``jax.jit`` or ``jax.grad``.
 
 The random-feature maps also provide ``log_scaled(x, *, is_query) ->
 (features, log_scale)`` with ``φ(x) = exp(log_scale)[..., None] * features``
@@ -96,6 +98,8 @@ def _check_head_dim(fn: str, what: str, shape: tuple[int, ...], axis: int, x: ja
     )
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["weight", "bias"],
+                   meta_fields=[])
 @dataclasses.dataclass(frozen=True, eq=False)
 class Projected:
   """A learnable map ``φ(x) = elu(x W + b) + 1`` (see :func:`projected`)."""
@@ -116,8 +120,9 @@ def projected(weight: Any, bias: Any) -> Projected:
     bias: ``[M]``.
 
   Returns:
-    A hashable (by identity) feature map with the parameters as fields; build
-    it inside the function you differentiate to get gradients for them.
+    A feature map (a pytree with ``weight`` and ``bias`` as leaves): new
+    values of the same shapes reuse compiled attention programs, and
+    gradients flow to them.
 
   Raises:
     ValueError: if ``weight`` is not rank 2 or ``bias`` is not ``[M]``.
@@ -164,6 +169,7 @@ class _RandomFeatures:
     return (jnp.exp(log_scale)[..., None] * features).astype(x.dtype)
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["projection"], meta_fields=[])
 @dataclasses.dataclass(frozen=True, eq=False)
 class FavorPlus(_RandomFeatures):
   """Positive random features ``exp(W x̂ - ‖x̂‖²/2) / √M`` (see :func:`favor_plus`)."""
@@ -182,6 +188,7 @@ class FavorPlus(_RandomFeatures):
     return jnp.exp(logits - log_scale[..., None]), log_scale
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["projection"], meta_fields=[])
 @dataclasses.dataclass(frozen=True, eq=False)
 class RandomFourier(_RandomFeatures):
   """Trigonometric features ``exp(‖x̂‖²/2) [sin W x̂, cos W x̂] / √M`` (see :func:`random_fourier`)."""
@@ -207,7 +214,7 @@ def favor_plus(projection: Any) -> FavorPlus:
       :func:`orthogonal_random_projection`.
 
   Returns:
-    A feature map ``[..., H] -> [..., M]``, hashable by identity.
+    A feature map ``[..., H] -> [..., M]`` (a pytree; the projection is its leaf).
 
   Raises:
     ValueError: if ``projection`` is not rank 2 (and, when called, if its H
@@ -236,7 +243,7 @@ def random_fourier(projection: Any) -> RandomFourier:
     projection: ``[M, H]`` random directions.
 
   Returns:
-    A feature map ``[..., H] -> [..., 2M]``, hashable by identity.
+    A feature map ``[..., H] -> [..., 2M]`` (a pytree; the projection is its leaf).
 
   Raises:
     ValueError: if ``projection`` is not rank 2 (and, when called, if its H

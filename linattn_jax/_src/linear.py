@@ -60,6 +60,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from linattn_jax._src import checks
@@ -384,12 +385,30 @@ def kernel_weights(query: Any, key: Any, *, featurizer: Featurizer, params: Any,
 
 @dataclasses.dataclass(frozen=True)
 class _Plain:
-  """Featurizer of :func:`linear_attention`: ``φ(x)`` as it is (log-scale 0)."""
+  """Featurizer of :func:`linear_attention`: ``φ(x)`` as it is (log-scale 0).
 
-  feature_map: FeatureMap
+  Holds the feature map's static structure; its arrays (the leaves of a
+  pytree map such as ``projected(w, b)``) arrive as ``params``, so new
+  values of the same shapes reuse the compiled program.
+  """
 
-  def __call__(self, params: None, x: jax.Array, *, is_query: bool):
-    return self.feature_map(x, is_query=is_query), None
+  treedef: Any
+  static_leaves: tuple[Any, ...]  # The map's non-array leaves; None where an array goes.
+
+  @classmethod
+  def split(cls, feature_map: FeatureMap) -> tuple[_Plain, tuple[jax.Array, ...]]:
+    """``(featurizer, arrays)`` for ``feature_map``; a plain function has no arrays."""
+    leaves, treedef = jax.tree.flatten(feature_map)
+    is_array = [isinstance(x, jax.Array | np.ndarray) for x in leaves]
+    arrays = tuple(x for x, a in zip(leaves, is_array, strict=True) if a)
+    static = tuple(None if a else x for x, a in zip(leaves, is_array, strict=True))
+    return cls(treedef, static), arrays
+
+  def __call__(self, params: tuple[jax.Array, ...], x: jax.Array, *, is_query: bool):
+    arrays = iter(params)
+    leaves = [next(arrays) if leaf is None else leaf for leaf in self.static_leaves]
+    feature_map = jax.tree.unflatten(self.treedef, leaves)
+    return feature_map(x, is_query=is_query), None
 
 
 def _to_carry(state: LinearState | None) -> Carry | None:
@@ -422,9 +441,11 @@ def linear_attention(
     query: ``[B, T, N, H]`` (or unbatched ``[T, N, H]``).
     key: ``[B, S, K, H]``; K must divide N (GQA / MQA).
     value: ``[B, S, K, D]``.
-    feature_map: ``phi(x, *, is_query) -> [..., M]``, see ``feature_maps``;
-      a static option. Random-feature maps are evaluated as they are
-      (unstabilised); use :func:`performer_attention` for those.
+    feature_map: ``phi(x, *, is_query) -> [..., M]``, see ``feature_maps``.
+      The arrays of a pytree map (``projected(w, b)``, ``favor_plus(p)``)
+      are passed as data: new values of the same shapes do not recompile.
+      Random-feature maps are evaluated as they are (unstabilised); use
+      :func:`performer_attention` for those.
     is_causal: query t sees keys ``j <= t + S - T`` (bottom-right aligned).
     key_value_seq_lengths: optional ``[B]`` ints; keys at or past it count
       nowhere and do not advance the state.
@@ -458,8 +479,9 @@ def linear_attention(
   References:
     Katharopoulos et al., "Transformers are RNNs", 2020.
   """
+  featurizer, arrays = _Plain.split(feature_map)
   out, carry = kernel_attention(
-      query, key, value, featurizer=_Plain(feature_map), params=None, is_causal=is_causal,
+      query, key, value, featurizer=featurizer, params=arrays, is_causal=is_causal,
       key_value_seq_lengths=key_value_seq_lengths, eps=eps, implementation=implementation,
       chunk_size=chunk_size, initial_carry=_to_carry(initial_state), fn="linear_attention",
   )
@@ -554,7 +576,8 @@ def _init_like(query, key, value, *, feature_map: FeatureMap = elu_plus_one) -> 
 def _weights(query, key, *, feature_map: FeatureMap = elu_plus_one, is_causal: bool = False,
              key_value_seq_lengths: Any = None, eps: float = 1e-6) -> ImpliedWeights:
   """:func:`kernel_weights` of :func:`linear_attention` (the registry's ``weights``)."""
-  return kernel_weights(query, key, featurizer=_Plain(feature_map), params=None,
+  featurizer, arrays = _Plain.split(feature_map)
+  return kernel_weights(query, key, featurizer=featurizer, params=arrays,
                         is_causal=is_causal, key_value_seq_lengths=key_value_seq_lengths,
                         eps=eps, fn="linear_attention")
 
