@@ -338,6 +338,26 @@ def test_low_precision_round_trip(case, dtype, seeds):
                             err_msg=msg)
 
 
+BIAS_CASES = [c for c in CASES if "bias" in inspect.signature(c[0].function).parameters]
+
+
+@pytest.mark.parametrize("case", BIAS_CASES, ids=[case_id(c) for c in BIAS_CASES])
+def test_a_row_masked_by_an_infinite_bias_is_zero_with_finite_gradients(case):
+  spec, impl = case
+  fast, ref = build(spec, impl)
+  q = k = v = jnp.ones((1, 3, 1, 4))
+  bias = jnp.zeros((1, 1, 3, 3)).at[0, 0, 1].set(-jnp.inf)  # Query 1 sees no key.
+  if impl == "flash":  # Its O(T) memory rules out a dense bias: it must say so.
+    with pytest.raises(ValueError, match="bias"):
+      fast(q, k, v, bias=bias)
+    return
+  out, vjp = jax.vjp(lambda q, k, v: fast(q, k, v, bias=bias), q, k, v)
+  np.testing.assert_array_equal(out[0, :, 0, 0], [1.0, 0.0, 1.0])
+  for g in vjp(jnp.ones_like(out)):
+    assert np.all(np.isfinite(g))
+  np.testing.assert_array_equal(out, ref(q, k, v, bias=bias))
+
+
 # 6. Errors -------------------------------------------------------------------
 
 

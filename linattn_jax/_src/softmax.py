@@ -58,6 +58,9 @@ def _prepare(query, key, value, *, bias, mask, is_causal, scale,
   )
   if not p.batched:
     bias, mask = (None if x is None else x[None] for x in (bias, mask))
+  if bias is not None:  # A bias of -inf hides its key: a mask, so that every path sees it.
+    visible = ~jnp.isneginf(bias)
+    mask = visible if mask is None else mask & visible
   lengths = checks.check_lengths(
       p, fn=fn, query_seq_lengths=query_seq_lengths,
       key_value_seq_lengths=key_value_seq_lengths,
