@@ -31,6 +31,14 @@ def test_unknown_names_and_options_raise():
     la.get_attention("softmax", is_causal=True)
 
 
+@pytest.mark.parametrize("name, required", [
+    ("local", "window_size"), ("strided", "stride"), ("block_sparse", "layout"),
+    ("longformer", "window_size"), ("bigbird", "block_size")])
+def test_required_options_are_checked_when_the_function_is_built(name, required):
+  with pytest.raises(ValueError, match=rf"missing required option\(s\) \[.*'{required}'"):
+    la.get_attention(name)
+
+
 def test_reference_drops_only_how_options():
   spec = la.get_spec("flash")
   ref = spec.build_reference(block_q=2, scale=0.5)

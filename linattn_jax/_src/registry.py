@@ -145,6 +145,13 @@ def _check_options(name: str, function: Callable[..., Any], options: Mapping[str
       raise ValueError(
           f"get_attention({name!r}): unknown option `{option}`; options are {allowed}."
       )
+  missing = [p for p in allowed
+             if params[p].default is inspect.Parameter.empty and p not in options]
+  if missing:
+    raise ValueError(
+        f"get_attention({name!r}): missing required option(s) {missing}; options are "
+        f"{allowed}."
+    )
 
 
 def register_attention(spec: AttentionSpec) -> AttentionSpec:
@@ -171,7 +178,8 @@ def get_attention(name: str, **options: Any) -> AttentionFn:
   is_causal=False, key_value_seq_lengths=None)``.
 
   Raises:
-    ValueError: for an unknown name or an option the variant does not take.
+    ValueError: for an unknown name, an option the variant does not take, or
+      a required option (e.g. ``window_size`` of ``"local"``) left out.
 
   Examples:
     >>> attn = get_attention("flash", block_q=128)
