@@ -387,3 +387,5 @@ def test_bad_inputs_raise_value_errors_naming_shapes(case):
     _call(spec.build(**options), q, k, v, is_causal)
   with pytest.raises(ValueError, match="unknown option"):
     spec.build(no_such_option=1)
+  with pytest.raises(ValueError, match="is_causal must be a static Python bool"):
+    jax.jit(fast)(q, k, v, is_causal=is_causal)

@@ -186,6 +186,16 @@ def resolve_scale(scale: float | None, head_dim: int) -> float:
   return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
 
+def check_static_bool(value: Any, *, name: str, fn: str) -> bool:
+  """A static flag (``is_causal``): a Python or numpy bool, never a traced value."""
+  if isinstance(value, jax.core.Tracer):
+    raise ValueError(
+        f"{fn}: {name} must be a static Python bool, but it is traced; under jax.jit mark it "
+        f"static (static_argnames=('{name}',)) or bind it with functools.partial."
+    )
+  return bool(value)
+
+
 def check_positive_int(value: Any, *, name: str, fn: str) -> int:
   """Checks a static positive integer option (block or chunk sizes)."""
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:

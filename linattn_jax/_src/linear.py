@@ -323,7 +323,7 @@ def kernel_attention(
   public layout (and the missing batch axis of unbatched calls, for the
   carry too).
   """
-  is_causal = bool(is_causal)
+  is_causal = checks.check_static_bool(is_causal, name="is_causal", fn=fn)
   implementation = checks.check_implementation(
       implementation, choices=IMPLEMENTATIONS, is_causal=is_causal, fn=fn)
   implementation = implementation or ("chunked" if is_causal else "parallel")

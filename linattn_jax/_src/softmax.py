@@ -65,7 +65,8 @@ def _prepare(query, key, value, *, bias, mask, is_causal, scale,
       p, fn=fn, query_seq_lengths=query_seq_lengths,
       key_value_seq_lengths=key_value_seq_lengths,
   )
-  return _Args(p, bias, mask, bool(is_causal), checks.resolve_scale(scale, H), **lengths)
+  is_causal = checks.check_static_bool(is_causal, name="is_causal", fn=fn)
+  return _Args(p, bias, mask, is_causal, checks.resolve_scale(scale, H), **lengths)
 
 
 def _combined_mask(a: _Args) -> jax.Array | None:

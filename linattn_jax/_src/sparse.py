@@ -146,6 +146,7 @@ def local_attention(
     ValueError: negative or malformed windows, bad block sizes, bad shapes.
   """
   fn = "local_attention"
+  is_causal = checks.check_static_bool(is_causal, name="is_causal", fn=fn)
   left, right = masks_lib.normalize_window(window_size, fn=fn)
   right = 0 if is_causal else right
 
@@ -243,6 +244,7 @@ def strided_attention(
     (Others as :func:`local_attention`.)
   """
   fn = "strided_attention"
+  is_causal = checks.check_static_bool(is_causal, name="is_causal", fn=fn)
   stride = checks.check_positive_int(stride, name="stride", fn=fn)
   left, right = (0, 0) if window_size is None else masks_lib.normalize_window(window_size, fn=fn)
 
@@ -338,6 +340,7 @@ def block_sparse_attention(
     (Others as :func:`local_attention`.)
   """
   fn = "block_sparse_attention"
+  is_causal = checks.check_static_bool(is_causal, name="is_causal", fn=fn)
   bs = checks.check_positive_int(block_size, name="block_size", fn=fn)
 
   def pattern(T: int, S: int) -> _Pattern:
@@ -392,6 +395,7 @@ def longformer_attention(
     (Others as :func:`local_attention`.)
   """
   fn = "longformer_attention"
+  is_causal = checks.check_static_bool(is_causal, name="is_causal", fn=fn)
   left, right = masks_lib.normalize_window(window_size, fn=fn)
 
   def pattern(T: int, S: int) -> _Pattern:
@@ -454,6 +458,7 @@ def bigbird_attention(
     (Others as :func:`local_attention`.)
   """
   fn = "bigbird_attention"
+  is_causal = checks.check_static_bool(is_causal, name="is_causal", fn=fn)
   bs = checks.check_positive_int(block_size, name="block_size", fn=fn)
   counts = dict(num_window_blocks=num_window_blocks, num_global_blocks=num_global_blocks,
                 num_random_blocks=num_random_blocks)
