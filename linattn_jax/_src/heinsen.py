@@ -615,7 +615,8 @@ register_attention(AttentionSpec(
     function=heinsen_attention,
     reference=heinsen_attention_reference,
     how_options=frozenset({"implementation", "chunk_size"}),
-    implementations=("parallel", "chunked"),
+    implementations=IMPLEMENTATIONS,
+    suite_implementations=("parallel", "chunked"),  # The oracle is what they are judged by.
     test_options={"chunk_size": 4},
     streaming=StreamingSpec(init=_init_state_like, step=heinsen_attention_step),
 ))

@@ -276,8 +276,8 @@ def strided_attention(
 
 
 def _layout_plan(layout: np.ndarray, row_blocks: np.ndarray, bs: int, S: int,
-                 key_offset: int = 0) -> Plan:
-  """Plan gathering, for each listed query block, the key blocks its layout row selects.
+                 key_offset: int = 0) -> tuple[np.ndarray, np.ndarray]:
+  """``(keys, valid)``: for each listed query block, the key slots its layout row selects.
 
   ``layout`` is ``[P, nqb, nkb]``; ``row_blocks`` the query blocks to plan,
   with their query positions in ``rows`` computed by the caller. Key block b
