@@ -36,6 +36,8 @@ import linattn_jax
 from experiments import common
 from linattn_jax import feature_maps
 
+# --help lists the shared flags (--heads, --output_dir, ...) with this script's own.
+flags.adopt_module_key_flags(common)
 _NUM_FEATURES = flags.DEFINE_list(
     "num_features", ["16", "64", "256", "1024", "4096"], "Feature counts M to try.")
 _KINDS = flags.DEFINE_list(

@@ -33,6 +33,7 @@ import json
 import os
 import pathlib
 import statistics
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -77,6 +78,9 @@ _MASKED_BASELINE = flags.DEFINE_bool(
     "with the equivalent dense mask.")
 _MATMUL_BASELINE = flags.DEFINE_bool(
     "matmul_baseline", True, "Time the batched-matmul baseline at every length.")
+
+# --help lists the shared flags (--heads, --output_dir, ...) with this script's own.
+flags.adopt_module_key_flags(common)
 
 MODES = ("forward", "backward", "step")
 # Labels of the two baselines in the records and plots.
@@ -211,6 +215,12 @@ def _validate(config: Config) -> None:
   if unknown:
     raise app.UsageError(
         f"--implementations: {sorted(unknown)} offered by none of {config.variants}.")
+  if "step" in config.modes:
+    no_step = [name for name in config.variants if not _streams(name)]
+    if no_step:
+      raise app.UsageError(
+          f"--modes=step: {no_step} have no streaming step (variants with one: "
+          f"{[n for n in linattn_jax.available_attentions() if _streams(n)]}).")
 
 
 # ------------------------------------------------------------------- plan ---
@@ -674,10 +684,20 @@ def run_benchmark(config: Config) -> dict[str, Any]:
   return report
 
 
+def failed_cases(report: dict[str, Any]) -> list[dict[str, Any]]:
+  """The records whose case raised (a skip for lack of memory is not a failure)."""
+  return [r for r in report["cases"] if str(r["status"]).startswith("error")]
+
+
 def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-  run_benchmark(config_from_flags())
+  failed = failed_cases(run_benchmark(config_from_flags()))
+  if failed:  # Every case ran and was written; the run still fails, loudly.
+    for r in failed:
+      print(f"FAILED {r['variant']} {r['implementation']} T={r['length']} {r['mode']}: "
+            f"{r['status']}", flush=True)
+    sys.exit(f"{len(failed)} benchmark case(s) failed.")
 
 
 if __name__ == "__main__":

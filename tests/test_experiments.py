@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+from absl import app
 
 from experiments import approximation, benchmark
 
@@ -64,3 +70,38 @@ def test_approximation_error_falls_with_more_features(tmp_path):
   for kind in config.kinds:
     few, many = (r["mean"] for r in results if r["kind"] == kind)
     assert 0 < many < few, (kind, few, many)
+
+
+def _run_script(*args: str) -> subprocess.CompletedProcess:
+  return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True,
+                        cwd=pathlib.Path(__file__).resolve().parents[1], timeout=300, check=False)
+
+
+def test_help_lists_the_shared_flags_too():
+  for script in ("experiments.benchmark", "experiments.approximation"):
+    result = _run_script(script, "--help")  # absl exits with status 1 after --help.
+    for flag in ("--output_dir", "--heads", "--[no]plot"):
+      assert flag in result.stdout, f"{script} --help omits {flag}"
+
+
+def test_a_failing_case_makes_the_run_fail_after_writing_every_case(tmp_path):
+  result = _run_script(
+      "experiments.benchmark", "--variants=local", "--options={\"window_size\": [-1, 0]}",
+      "--lengths=16", "--modes=forward", "--heads=1", "--head_dim=4", "--repeats=1",
+      "--warmup=0", "--noplot", "--nomatmul_baseline", f"--output_dir={tmp_path}")
+  assert result.returncode != 0
+  assert "2 benchmark case(s) failed" in result.stderr  # The variant and its masked twin.
+  assert "FAILED local blocked T=16 forward" in result.stdout
+  cases = json.loads((tmp_path / "benchmark.json").read_text())["cases"]
+  assert [(c["kind"], c["status"].split(":")[0]) for c in cases] == [
+      ("xla", "ok"), ("masked", "error"), ("attention", "error")]
+
+
+def test_step_mode_rejects_variants_without_a_step():
+  config = benchmark.Config(
+      variants=("softmax",), implementations=None, lengths=(16,), batch=1, heads=2,
+      kv_heads=2, head_dim=8, value_dim=8, dtype="float32", causal=True, modes=("step",),
+      repeats=1, warmup=0, output_dir="unused", plot=False, max_memory_fraction=0.7,
+      options={}, matmul_baseline=True)
+  with pytest.raises(app.UsageError, match=r"--modes=step: \['softmax'\] have no streaming step"):
+    benchmark._validate(config)
