@@ -49,3 +49,4 @@ def test_reference_drops_only_how_options():
 def test_names_register_once():
   with pytest.raises(ValueError, match="already registered"):
     la.register_attention(la.get_spec("softmax"))
+

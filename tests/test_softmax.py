@@ -159,18 +159,23 @@ def _primitives(jaxpr) -> set[str]:
   return names
 
 
-def test_default_implementation_switches_to_flash_for_long_inputs(monkeypatch):
+def test_default_implementation_switches_to_flash_for_long_inputs():
   q, k, v = make_qkv(SHAPE)
   bias, _ = _bias_mask(SHAPE)
 
-  def uses_flash(**options):  # A fresh function each time: no trace cache.
+  def uses_flash(**options):
     jaxpr = jax.make_jaxpr(lambda q, k, v: la.softmax_attention(q, k, v, **options))(q, k, v)
     return "custom_vjp_call" in _primitives(jaxpr.jaxpr)
 
   assert not uses_flash()
-  monkeypatch.setattr(softmax_module, "FLASH_THRESHOLD_ELEMENTS", 0)
-  assert uses_flash()
-  assert not uses_flash(bias=bias)  # A dense bias keeps the XLA path.
+  # softmax_attention compiles itself: drop its traces on both sides of the
+  # patch, so that none made with the patched threshold outlives it.
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(softmax_module, "FLASH_THRESHOLD_ELEMENTS", 0)
+    jax.clear_caches()
+    assert uses_flash()
+    assert not uses_flash(bias=bias)  # A dense bias keeps the XLA path.
+  jax.clear_caches()
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -10,8 +10,9 @@ K key/value heads (G = N // K), H query/key head dim, D value head dim.
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -194,6 +195,43 @@ def check_static_bool(value: Any, *, name: str, fn: str) -> bool:
         f"static (static_argnames=('{name}',)) or bind it with functools.partial."
     )
   return bool(value)
+
+
+def compiled(*static_argnames: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+  """Runs a public function as one compiled program, eager calls included.
+
+  Arrays are traced arguments and the named options are static: a list
+  becomes a tuple (so ``window_size=[4, 1]`` hashes), and a traced value
+  raises ``ValueError`` saying to mark it static. Under an outer
+  ``jax.jit`` the program is inlined; eagerly, each set of static options
+  and shapes compiles once instead of dispatching op by op.
+  """
+  def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+    jitted = jax.jit(fn, static_argnames=static_argnames)
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+      for name in static_argnames:
+        if name in kwargs:
+          kwargs[name] = _static_option(kwargs[name], name=name, fn=fn.__name__)
+      return jitted(*args, **kwargs)
+
+    return wrapper
+
+  return decorate
+
+
+def _static_option(value: Any, *, name: str, fn: str) -> Any:
+  if name == "is_causal":
+    return check_static_bool(value, name=name, fn=fn)
+  if isinstance(value, jax.core.Tracer):
+    raise ValueError(
+        f"{fn}: {name} must be static, but it is traced; under jax.jit mark it static "
+        f"(static_argnames=('{name}',)) or bind it with functools.partial."
+    )
+  if isinstance(value, list | tuple):
+    return tuple(_static_option(x, name=name, fn=fn) for x in value)
+  return value
 
 
 def check_positive_int(value: Any, *, name: str, fn: str) -> int:

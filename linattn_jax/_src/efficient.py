@@ -294,6 +294,7 @@ def _internal(p: checks.Prepared, lengths: jax.Array | None):
   return q_soft, k, v.transpose(0, 2, 1, 3)
 
 
+@checks.compiled("is_causal", "implementation", "chunk_size", "return_state")
 def efficient_attention(
     query: Any,
     key: Any,

@@ -221,6 +221,7 @@ def flash_attention_4d(
   return out.transpose(0, 3, 1, 2, 4).reshape(B, T, N, D)
 
 
+@checks.compiled("is_causal", "scale", "block_q", "block_k")
 def flash_attention(
     query: Any,
     key: Any,

@@ -448,6 +448,7 @@ def heinsen_attention_reference(
       implementation="reference")
 
 
+@checks.compiled("is_causal", "implementation", "chunk_size", "return_state")
 def heinsen_attention(
     query: Any,
     key: Any,
@@ -512,6 +513,7 @@ def heinsen_attention(
       chunk_size=chunk_size, initial_state=initial_state, return_state=return_state)
 
 
+@checks.compiled("is_causal", "implementation", "chunk_size")
 def log_heinsen_attention(
     query: Any,
     key: Any,

@@ -172,6 +172,7 @@ def softmax_attention_reference(
   )
 
 
+@checks.compiled("is_causal", "scale", "implementation")
 def softmax_attention(
     query: Any,
     key: Any,

@@ -110,6 +110,7 @@ def _window_pass(T: int, S: int, Q: int, left: int, right: int) -> tuple[np.ndar
 # --------------------------------------------------------------- local ---
 
 
+@checks.compiled("window_size", "is_causal", "scale", "implementation", "block_size")
 def local_attention(
     query: Any,
     key: Any,
@@ -219,6 +220,7 @@ def local_attention_step(state: LocalState, query: jax.Array, key: jax.Array, va
 # ------------------------------------------------------------- strided ---
 
 
+@checks.compiled("stride", "window_size", "is_causal", "scale", "implementation", "block_size")
 def strided_attention(
     query: Any,
     key: Any,
@@ -370,6 +372,8 @@ def _check_positions(positions: Any, S: int, fn: str) -> np.ndarray:
   return np.unique(pos)
 
 
+@checks.compiled("window_size", "global_positions", "is_causal", "scale", "implementation",
+                 "block_size")
 def longformer_attention(
     query: Any,
     key: Any,
