@@ -35,11 +35,13 @@ References:
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import typing
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.typing import ArrayLike
 
 from linattn_jax._src import checks
 from linattn_jax._src.blocks import merge_blocks, pad_axis, split_blocks
@@ -52,7 +54,8 @@ from linattn_jax._src.online_softmax import (
 )
 from linattn_jax._src.registry import AttentionSpec, StreamingSpec, register_attention
 
-IMPLEMENTATIONS = ("reference", "parallel", "scan", "chunked")
+EfficientImplementation = Literal["reference", "parallel", "scan", "chunked"]
+IMPLEMENTATIONS: tuple[str, ...] = typing.get_args(EfficientImplementation)
 DEFAULT_CHUNK_SIZE = 64
 
 
@@ -242,9 +245,9 @@ def _reference(p: checks.Prepared, is_causal: bool, lengths: jax.Array | None) -
 
 
 def efficient_attention_reference(
-    query: Any,
-    key: Any,
-    value: Any,
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
     *,
     is_causal: bool = False,
     key_value_seq_lengths: Any = None,
@@ -296,13 +299,13 @@ def _internal(p: checks.Prepared, lengths: jax.Array | None):
 
 @checks.compiled("is_causal", "implementation", "chunk_size", "return_state")
 def efficient_attention(
-    query: Any,
-    key: Any,
-    value: Any,
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
     *,
     is_causal: bool = False,
     key_value_seq_lengths: Any = None,
-    implementation: str | None = None,
+    implementation: EfficientImplementation | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     initial_state: EfficientState | None = None,
     return_state: bool = False,

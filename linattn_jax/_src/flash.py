@@ -31,14 +31,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.typing import ArrayLike
 
 from linattn_jax._src import checks
 from linattn_jax._src.blocks import merge_blocks, num_blocks, pad_axis, split_blocks
 from linattn_jax._src.masks import causal_predicate, length_predicate
 from linattn_jax._src.online_softmax import (
-    init_softmax_carry,
-    online_softmax_finish,
-    online_softmax_update,
+  init_softmax_carry,
+  online_softmax_finish,
+  online_softmax_update,
 )
 
 DEFAULT_BLOCK_Q = 512
@@ -223,9 +224,9 @@ def flash_attention_4d(
 
 @checks.compiled("is_causal", "scale", "block_q", "block_k")
 def flash_attention(
-    query: Any,
-    key: Any,
-    value: Any,
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
     *,
     is_causal: bool = False,
     scale: float | None = None,

@@ -53,11 +53,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, NamedTuple
+import typing
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.typing import ArrayLike
 
 from linattn_jax._src import checks
 from linattn_jax._src import masks as masks_lib
@@ -65,7 +67,8 @@ from linattn_jax._src.blocks import merge_blocks, pad_axis, split_blocks
 from linattn_jax._src.online_softmax import exponent_shift
 from linattn_jax._src.registry import AttentionSpec, StreamingSpec, register_attention
 
-IMPLEMENTATIONS = ("reference", "parallel", "chunked")
+HeinsenImplementation = Literal["reference", "parallel", "chunked"]
+IMPLEMENTATIONS: tuple[str, ...] = typing.get_args(HeinsenImplementation)
 DEFAULT_CHUNK_SIZE = 64
 # `implementation=None` without is_causal picks "parallel" while its largest array,
 # B · max(T·N, S·K) · H · E float32 elements, stays under this (64 MiB); else "chunked".
@@ -430,9 +433,9 @@ def _dispatch(query, key, value, *, fn: str, log_space: bool, is_causal, key_val
 
 
 def heinsen_attention_reference(
-    query: Any,
-    key: Any,
-    value: Any,
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
     *,
     is_causal: bool = False,
     key_value_seq_lengths: Any = None,
@@ -450,13 +453,13 @@ def heinsen_attention_reference(
 
 @checks.compiled("is_causal", "implementation", "chunk_size", "return_state")
 def heinsen_attention(
-    query: Any,
-    key: Any,
-    value: Any,
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
     *,
     is_causal: bool = False,
     key_value_seq_lengths: Any = None,
-    implementation: str | None = None,
+    implementation: HeinsenImplementation | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     initial_state: HeinsenState | None = None,
     return_state: bool = False,
@@ -515,13 +518,13 @@ def heinsen_attention(
 
 @checks.compiled("is_causal", "implementation", "chunk_size")
 def log_heinsen_attention(
-    query: Any,
-    key: Any,
-    log_value: Any,
+    query: ArrayLike,
+    key: ArrayLike,
+    log_value: ArrayLike,
     *,
     is_causal: bool = False,
     key_value_seq_lengths: Any = None,
-    implementation: str | None = None,
+    implementation: HeinsenImplementation | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
 ) -> jax.Array:
   """Heinsen's attention on log-values: ``log heinsen_attention(q, k, exp(log_value))``.

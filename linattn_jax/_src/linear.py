@@ -55,13 +55,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import numbers
+import typing
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.typing import ArrayLike
 
 from linattn_jax._src import checks
 from linattn_jax._src.blocks import merge_blocks, pad_axis, split_blocks
@@ -70,7 +72,8 @@ from linattn_jax._src.masks import causal, length_predicate
 from linattn_jax._src.online_softmax import exponent_shift
 from linattn_jax._src.registry import AttentionSpec, StreamingSpec, register_attention
 
-IMPLEMENTATIONS = ("reference", "parallel", "scan", "associative_scan", "chunked")
+LinearImplementation = Literal["reference", "parallel", "scan", "associative_scan", "chunked"]
+IMPLEMENTATIONS: tuple[str, ...] = typing.get_args(LinearImplementation)
 DEFAULT_CHUNK_SIZE = 64
 
 # featurizer(params, x [..., H], *, is_query) -> (features [..., M], log_scale [...] or None).
@@ -299,9 +302,9 @@ def _attend(fq, fk, lk, v, carry: Carry, *, is_causal: bool, eps: float, impleme
 
 
 def kernel_attention(
-    query: Any,
-    key: Any,
-    value: Any,
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
     *,
     featurizer: Featurizer,
     params: Any,
@@ -418,15 +421,15 @@ def _to_carry(state: LinearState | None) -> Carry | None:
 
 
 def linear_attention(
-    query: Any,
-    key: Any,
-    value: Any,
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
     *,
     feature_map: FeatureMap = elu_plus_one,
     is_causal: bool = False,
     key_value_seq_lengths: Any = None,
     eps: float = 1e-6,
-    implementation: str | None = None,
+    implementation: LinearImplementation | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     initial_state: LinearState | None = None,
     return_state: bool = False,
@@ -489,9 +492,9 @@ def linear_attention(
 
 
 def linear_attention_reference(
-    query: Any,
-    key: Any,
-    value: Any,
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
     *,
     feature_map: FeatureMap = elu_plus_one,
     is_causal: bool = False,
@@ -522,9 +525,9 @@ def init_linear_state(
 
 def linear_attention_step(
     state: LinearState,
-    query: Any,
-    key: Any,
-    value: Any,
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
     *,
     feature_map: FeatureMap = elu_plus_one,
     eps: float = 1e-6,

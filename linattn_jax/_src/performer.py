@@ -34,6 +34,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 from linattn_jax._src import checks
 from linattn_jax._src.feature_maps import (
@@ -46,6 +47,7 @@ from linattn_jax._src.linear import (
     IMPLEMENTATIONS,
     Carry,
     ImpliedWeights,
+    LinearImplementation,
     feature_dim,
     kernel_attention,
     kernel_weights,
@@ -84,16 +86,16 @@ def _check_kernel(kernel: str, fn: str) -> str:
 
 
 def performer_attention(
-    query: Any,
-    key: Any,
-    value: Any,
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
     *,
     projection: Any,
     is_causal: bool = False,
     key_value_seq_lengths: Any = None,
     kernel: str = "positive",
     eps: float = 1e-6,
-    implementation: str | None = None,
+    implementation: LinearImplementation | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     initial_state: PerformerState | None = None,
     return_state: bool = False,
@@ -155,9 +157,9 @@ def performer_attention(
 
 
 def performer_attention_reference(
-    query: Any,
-    key: Any,
-    value: Any,
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
     *,
     projection: Any,
     is_causal: bool = False,
@@ -193,9 +195,9 @@ def init_performer_state(
 
 def performer_attention_step(
     state: PerformerState,
-    query: Any,
-    key: Any,
-    value: Any,
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
     *,
     projection: Any,
     kernel: str = "positive",
@@ -221,9 +223,9 @@ def _projection(rng: Any, num_features: int, head_dim: int) -> jax.Array:
 
 
 def _performer_by_seed(
-    query: Any,
-    key: Any,
-    value: Any,
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
     *,
     rng: Any = 0,
     num_features: int = DEFAULT_NUM_FEATURES,
@@ -231,7 +233,7 @@ def _performer_by_seed(
     is_causal: bool = False,
     key_value_seq_lengths: Any = None,
     eps: float = 1e-6,
-    implementation: str | None = None,
+    implementation: LinearImplementation | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     initial_state: PerformerState | None = None,
     return_state: bool = False,

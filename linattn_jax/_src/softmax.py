@@ -13,10 +13,12 @@ pattern (query i sees keys ``j <= i + S - T``, bottom-right aligned, see
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import typing
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 from linattn_jax._src import checks
 from linattn_jax._src import masks as masks_lib
@@ -28,7 +30,8 @@ from linattn_jax._src.flash import (
 )
 from linattn_jax._src.registry import AttentionSpec, register_attention
 
-IMPLEMENTATIONS = ("reference", "xla", "flash")
+SoftmaxImplementation = Literal["reference", "xla", "flash"]
+IMPLEMENTATIONS: tuple[str, ...] = typing.get_args(SoftmaxImplementation)
 
 # `implementation=None` switches to flash once a materialised [B, N, T, S]
 # float32 score array would exceed this many elements (2 GiB).
@@ -147,9 +150,9 @@ def _xla(a: _Args) -> jax.Array:
 
 
 def softmax_attention_reference(
-    query: Any,
-    key: Any,
-    value: Any,
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
     *,
     bias: Any = None,
     mask: Any = None,
@@ -174,9 +177,9 @@ def softmax_attention_reference(
 
 @checks.compiled("is_causal", "scale", "implementation")
 def softmax_attention(
-    query: Any,
-    key: Any,
-    value: Any,
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
     *,
     bias: Any = None,
     mask: Any = None,
@@ -184,7 +187,7 @@ def softmax_attention(
     scale: float | None = None,
     query_seq_lengths: Any = None,
     key_value_seq_lengths: Any = None,
-    implementation: str | None = None,
+    implementation: SoftmaxImplementation | None = None,
 ) -> jax.Array:
   """Exact scaled dot-product attention.
 

@@ -25,12 +25,14 @@ References:
 from __future__ import annotations
 
 import functools
+import typing
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from linattn_jax._src import checks
 from linattn_jax._src import masks as masks_lib
@@ -38,7 +40,8 @@ from linattn_jax._src.gather import Plan, attend, dedupe, tile_rows
 from linattn_jax._src.registry import AttentionSpec, StreamingSpec, register_attention
 from linattn_jax._src.softmax import softmax_attention, softmax_attention_reference
 
-IMPLEMENTATIONS = ("reference", "blocked")
+SparseImplementation = Literal["reference", "blocked"]
+IMPLEMENTATIONS: tuple[str, ...] = typing.get_args(SparseImplementation)
 DEFAULT_BLOCK_SIZE = 64
 
 PatternRule = Callable[[np.ndarray, np.ndarray], np.ndarray]
@@ -112,15 +115,15 @@ def _window_pass(T: int, S: int, Q: int, left: int, right: int) -> tuple[np.ndar
 
 @checks.compiled("window_size", "is_causal", "scale", "implementation", "block_size")
 def local_attention(
-    query: Any,
-    key: Any,
-    value: Any,
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
     *,
     window_size: Any,
     is_causal: bool = False,
     scale: float | None = None,
     key_value_seq_lengths: Any = None,
-    implementation: str | None = None,
+    implementation: SparseImplementation | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
 ) -> jax.Array:
   """Sliding-window softmax attention in O(T·w).
@@ -222,16 +225,16 @@ def local_attention_step(state: LocalState, query: jax.Array, key: jax.Array, va
 
 @checks.compiled("stride", "window_size", "is_causal", "scale", "implementation", "block_size")
 def strided_attention(
-    query: Any,
-    key: Any,
-    value: Any,
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
     *,
     stride: int,
     window_size: Any = None,
     is_causal: bool = False,
     scale: float | None = None,
     key_value_seq_lengths: Any = None,
-    implementation: str | None = None,
+    implementation: SparseImplementation | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
 ) -> jax.Array:
   """Strided ("summary column") attention plus an optional local window.
@@ -316,16 +319,16 @@ def _check_layout(layout: Any, T: int, S: int, bs: int, fn: str) -> np.ndarray:
 
 
 def block_sparse_attention(
-    query: Any,
-    key: Any,
-    value: Any,
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
     *,
     layout: Any,
     block_size: int,
     is_causal: bool = False,
     scale: float | None = None,
     key_value_seq_lengths: Any = None,
-    implementation: str | None = None,
+    implementation: SparseImplementation | None = None,
 ) -> jax.Array:
   """Softmax attention over the key blocks a static block layout selects.
 
@@ -375,16 +378,16 @@ def _check_positions(positions: Any, S: int, fn: str) -> np.ndarray:
 @checks.compiled("window_size", "global_positions", "is_causal", "scale", "implementation",
                  "block_size")
 def longformer_attention(
-    query: Any,
-    key: Any,
-    value: Any,
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
     *,
     window_size: Any,
     global_positions: Sequence[int] = (),
     is_causal: bool = False,
     scale: float | None = None,
     key_value_seq_lengths: Any = None,
-    implementation: str | None = None,
+    implementation: SparseImplementation | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
 ) -> jax.Array:
   """Longformer attention: a local window plus global tokens. Cost O(T·(w + g)).
@@ -426,9 +429,9 @@ def longformer_attention(
 
 
 def bigbird_attention(
-    query: Any,
-    key: Any,
-    value: Any,
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
     *,
     block_size: int,
     num_window_blocks: int = 3,
@@ -438,7 +441,7 @@ def bigbird_attention(
     is_causal: bool = False,
     scale: float | None = None,
     key_value_seq_lengths: Any = None,
-    implementation: str | None = None,
+    implementation: SparseImplementation | None = None,
 ) -> jax.Array:
   """BigBird attention: global, sliding-window and random key blocks.
 
