@@ -187,13 +187,17 @@ def resolve_scale(scale: float | None, head_dim: int) -> float:
   return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
 
-def check_static_bool(value: Any, *, name: str, fn: str) -> bool:
-  """A static flag (``is_causal``): a Python or numpy bool, never a traced value."""
+def _reject_traced(value: Any, *, name: str, fn: str, what: str = "static") -> None:
   if isinstance(value, jax.core.Tracer):
     raise ValueError(
-        f"{fn}: {name} must be a static Python bool, but it is traced; under jax.jit mark it "
-        f"static (static_argnames=('{name}',)) or bind it with functools.partial."
+        f"{fn}: {name} must be {what}, but it is traced; under jax.jit mark it static "
+        f"(static_argnames=('{name}',)) or bind it with functools.partial."
     )
+
+
+def check_static_bool(value: Any, *, name: str, fn: str) -> bool:
+  """A static flag (``is_causal``): a Python or numpy bool, never a traced value."""
+  _reject_traced(value, name=name, fn=fn, what="a static Python bool")
   return bool(value)
 
 
@@ -224,11 +228,7 @@ def compiled(*static_argnames: str) -> Callable[[Callable[..., Any]], Callable[.
 def _static_option(value: Any, *, name: str, fn: str) -> Any:
   if name == "is_causal":
     return check_static_bool(value, name=name, fn=fn)
-  if isinstance(value, jax.core.Tracer):
-    raise ValueError(
-        f"{fn}: {name} must be static, but it is traced; under jax.jit mark it static "
-        f"(static_argnames=('{name}',)) or bind it with functools.partial."
-    )
+  _reject_traced(value, name=name, fn=fn)
   if isinstance(value, list | tuple):
     return tuple(_static_option(x, name=name, fn=fn) for x in value)
   return value

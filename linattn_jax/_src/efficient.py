@@ -359,8 +359,7 @@ def efficient_attention(
   References:
     Shen et al., "Efficient Attention: Attention with Linear Complexities", WACV 2021.
   """
-  fn = "efficient_attention"
-  is_causal = checks.check_static_bool(is_causal, name="is_causal", fn=fn)
+  fn = "efficient_attention"  # is_causal is a static bool: checked by checks.compiled.
   implementation = checks.check_implementation(
       implementation, choices=IMPLEMENTATIONS, is_causal=is_causal, fn=fn)
   implementation = implementation or ("chunked" if is_causal else "parallel")

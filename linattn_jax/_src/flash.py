@@ -277,7 +277,7 @@ def flash_attention(
   )
   out = flash_attention_4d(
       p.query, p.key, p.value,
-      is_causal=checks.check_static_bool(is_causal, name="is_causal", fn=fn),
+      is_causal=is_causal,  # A static bool: checked by checks.compiled.
       scale=checks.resolve_scale(scale, p.dims.H),
       block_q=checks.check_positive_int(block_q, name="block_q", fn=fn),
       block_k=checks.check_positive_int(block_k, name="block_k", fn=fn),

@@ -404,7 +404,6 @@ def _dispatch(query, key, value, *, fn: str, log_space: bool, is_causal, key_val
   p = checks.prepare_qkv(query, key, value, fn=fn)
   kv_len = checks.check_lengths(
       p, fn=fn, key_value_seq_lengths=key_value_seq_lengths)["key_value_seq_lengths"]
-  is_causal = checks.check_static_bool(is_causal, name="is_causal", fn=fn)
   B, T, S, N, K, H, D = p.dims
   if implementation is None:
     size = B * max(T * N, S * K) * H * (2 * D + 1)

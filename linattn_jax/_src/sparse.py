@@ -150,7 +150,6 @@ def local_attention(
     ValueError: negative or malformed windows, bad block sizes, bad shapes.
   """
   fn = "local_attention"
-  is_causal = checks.check_static_bool(is_causal, name="is_causal", fn=fn)
   left, right = masks_lib.normalize_window(window_size, fn=fn)
   right = 0 if is_causal else right
 
@@ -250,7 +249,6 @@ def strided_attention(
     (Others as :func:`local_attention`.)
   """
   fn = "strided_attention"
-  is_causal = checks.check_static_bool(is_causal, name="is_causal", fn=fn)
   stride = checks.check_positive_int(stride, name="stride", fn=fn)
   left, right = (0, 0) if window_size is None else masks_lib.normalize_window(window_size, fn=fn)
 
@@ -403,7 +401,6 @@ def longformer_attention(
     (Others as :func:`local_attention`.)
   """
   fn = "longformer_attention"
-  is_causal = checks.check_static_bool(is_causal, name="is_causal", fn=fn)
   left, right = masks_lib.normalize_window(window_size, fn=fn)
 
   def pattern(T: int, S: int) -> _Pattern:
