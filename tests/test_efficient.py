@@ -175,7 +175,7 @@ def test_prefill_with_longer_keys_then_continue():
 def test_unbatched_state_round_trip():
   q, k, v = make_qkv(Shape(B=1, T=6, S=6, N=2, K=1, H=4, D=3), seed=12)
   out1, state = _attend(None, q[0, :2], k[0, :2], v[0, :2], is_causal=True, return_state=True)
-  assert state.numerator.shape == (1, 4, 3)
+  assert state.kv.shape == (1, 4, 3)
   out2 = _attend(None, q[0, 2:], k[0, 2:], v[0, 2:], is_causal=True, initial_state=state)
   assert_close(jnp.concatenate([out1, out2]), numpy_causal(q, k, v)[0], jnp.float32)
 
@@ -186,16 +186,18 @@ def test_chunked_gradient_keeps_no_state_per_token():
   q, k, v = make_qkv(Shape(B=1, T=T, S=T, N=1, K=1, H=H, D=D))
   per_token_states = T * H * D * 4
 
-  def temp_bytes(impl):
+  def temp_bytes(impl, chunk_size=32):
     loss = lambda *a: jnp.sum(  # noqa: E731
-        la.efficient_attention(*a, is_causal=True, implementation=impl, chunk_size=32))
+        la.efficient_attention(*a, is_causal=True, implementation=impl, chunk_size=chunk_size))
     compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile()
     analysis = compiled.memory_analysis()
     if analysis is None:
       pytest.skip("this backend reports no memory analysis")
     return analysis.temp_size_in_bytes
 
-  assert temp_bytes("scan") > per_token_states  # the measure can see per-token states.
+  # One chunk of T tokens is not checkpointed: the measure can see per-token states.
+  assert temp_bytes("scan", chunk_size=T) > per_token_states
+  assert temp_bytes("scan") < per_token_states / 2
   assert temp_bytes("chunked") < per_token_states / 2
 
 
@@ -211,12 +213,13 @@ def test_invalid_options_raise():
   with pytest.raises(ValueError, match="reference.*initial_state"):
     la.efficient_attention(q, k, v, is_causal=True, implementation="reference",
                            initial_state=state)
-  with pytest.raises(ValueError, match=r"numerator \(2, 1, 3, 2\)"):
+  with pytest.raises(ValueError, match=r"EfficientState.kv has shape \(2, 1, 3, 1\); "
+                     r"expected \(2, 1, 3, 2\)"):
     la.efficient_attention(q, k, v, is_causal=True, initial_state=state._replace(
-        numerator=state.numerator[..., :1]))
+        kv=state.kv[..., :1]))
   with pytest.raises(ValueError, match="chunk_size"):
     la.efficient_attention(q, k, v, chunk_size=0)
-  with pytest.raises(ValueError, match="rank 3"):
+  with pytest.raises(ValueError, match="same rank"):
     la.efficient_attention_step(state, q, k[:, 0], v[:, 0])
   with pytest.raises(ValueError, match="state"):
     la.efficient_attention_step(la.init_efficient_state(2, 1, 3, 5), q[:, 0], k[:, 0], v[:, 0])

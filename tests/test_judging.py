@@ -4,7 +4,7 @@
 differ from the float64 oracle by what its row's conditioning allows (see
 ``_helpers``). That bound is loose exactly where the normaliser cancels, so
 these tests show it is still tight enough to fail plausible bugs in the
-engine: each bug is patched into ``linattn_jax._src.linear`` for one call,
+engine: each bug is patched into ``linattn_jax._src.recurrence`` for one call,
 and the judge must reject the result while accepting the unpatched one.
 """
 
@@ -22,7 +22,7 @@ from _helpers import SHAPES, assert_matches_oracle, build, kv_lengths, make_qkv,
 from jax import lax
 
 import linattn_jax as la
-from linattn_jax._src import linear
+from linattn_jax._src import recurrence
 from linattn_jax._src.blocks import merge_blocks, pad_axis, split_blocks
 from linattn_jax._src.masks import causal
 
@@ -33,22 +33,22 @@ EPS = 1e-2  # Large enough that misplacing it moves outputs well past float32 no
 def _dropped_key(featurize):
   """Bug: key ``DROPPED`` never reaches the sums (as if padded)."""
   def wrapped(*args, **kwargs):
-    fq, fk, lk, v = featurize(*args, **kwargs)
-    return fq, fk.at[:, :, DROPPED].set(0), lk.at[:, :, DROPPED].set(-jnp.inf), v
+    fq, lq, fk, lk, v = featurize(*args, **kwargs)
+    return fq, lq, fk.at[:, :, DROPPED].set(0), lk.at[:, :, DROPPED].set(-jnp.inf), v
   return wrapped
 
 
-def _eps_outside(normalize):
+def _eps_outside(finish):
   """Bug: ``num / den + eps`` (eps moved out of the normaliser)."""
-  def wrapped(num, den, eps):
-    return normalize(num, den, 0.0) + eps
+  def wrapped(read, num, den, eps):
+    return finish(read, num, den, 0.0) + eps
   return wrapped
 
 
-def _eps_per_key(normalize):
+def _eps_per_key(finish):
   """Bug: eps added to each of the S keys' weights inside the sum, not once to the sum."""
-  def wrapped(num, den, eps):
-    return normalize(num, den, eps * SHAPES[0].S)
+  def wrapped(read, num, den, eps):
+    return finish(read, num, den, eps * SHAPES[0].S)
   return wrapped
 
 
@@ -56,17 +56,17 @@ def _late_state(causal_engine):
   """Bug: each chunk reads the state as it was one chunk earlier (T == S only)."""
   del causal_engine
 
-  def late(body, carry, fq, fk, lk, v, *, chunk_size, eps):
+  def late(body, read, eps, carry, fq, lq, fk, lk, v, *, chunk_size):
     del body
     T = fq.shape[3]
     C = min(chunk_size, T)
     lk = pad_axis(lk, 2, C, -jnp.inf)
-    xs = (split_blocks(fq, 3, C), *(split_blocks(x, 2, C) for x in (fk, lk, v)))
+    xs = (*(split_blocks(x, 3, C) for x in (fq, lq)), *(split_blocks(x, 2, C) for x in (fk, lk, v)))
 
     def step(carries, x):
       previous, current = carries
-      out = linear._masked_block(previous, *x, causal(C), eps)
-      return (current, linear.combine(current, linear.summarize(*x[1:]))), out
+      out = recurrence._exact_block(read, eps, previous, *x, causal(C))
+      return (current, recurrence.combine(current, recurrence.summarize(*x[2:]))), out
 
     (_, carry), out = lax.scan(step, (carry, carry), xs)
     return merge_blocks(out, 3, T), carry
@@ -74,10 +74,10 @@ def _late_state(causal_engine):
 
 
 BUGS = {
-    "dropped_key": ("_featurize", _dropped_key, (False, True)),
-    "eps_outside_normaliser": ("_normalize", _eps_outside, (False, True)),
-    "eps_per_key": ("_normalize", _eps_per_key, (False, True)),
-    "state_one_chunk_late": ("_causal", _late_state, (True,)),
+    "dropped_key": ("featurize", _dropped_key, (False, True)),
+    "eps_outside_normaliser": ("_finish", _eps_outside, (False, True)),
+    "eps_per_key": ("_finish", _eps_per_key, (False, True)),
+    "state_one_chunk_late": ("causal_pass", _late_state, (True,)),
 }
 CASES = [(name, bug, is_causal) for bug, (_, _, modes) in BUGS.items() for is_causal in modes
          for name in ("linear_elu", "random_fourier")]
@@ -85,15 +85,15 @@ CASES = [(name, bug, is_causal) for bug, (_, _, modes) in BUGS.items() for is_ca
 
 @contextlib.contextmanager
 def _patched(target: str, make_bug):
-  """Runs the linear engine with ``target`` replaced by ``make_bug(original)``.
+  """Runs the recurrent core with ``target`` replaced by ``make_bug(original)``.
 
   The engine's jitted entry point is swapped for its Python function, so no
   program compiled before the patch is reused and none compiled under it
   outlives it.
   """
   with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(linear, "_kernel_attention", linear._kernel_attention.__wrapped__)
-    mp.setattr(linear, target, make_bug(getattr(linear, target)))
+    mp.setattr(recurrence, "_recurrent_attention", recurrence._recurrent_attention.__wrapped__)
+    mp.setattr(recurrence, target, make_bug(getattr(recurrence, target)))
     yield
 
 

@@ -144,7 +144,7 @@ def test_step_with_explicit_projection_matches_causal_pass(kernel):
   w = _projection()
   M = 16 if kernel == "positive" else 32
   state = la.init_performer_state(shape.B, shape.K, M, shape.D)
-  assert np.all(state.log_scale == -np.inf)
+  assert np.all(state.running_max == -np.inf)
 
   def step(state, qkv):
     return la.performer_attention_step(state, *qkv, projection=w, kernel=kernel)

@@ -54,6 +54,15 @@ def exponent_shift(running_max: jax.Array) -> jax.Array:
   return jnp.where(running_max == -jnp.inf, 0.0, running_max)
 
 
+def safe_divide(x: jax.Array, den: jax.Array) -> jax.Array:
+  """``x / den`` (broadcasting), with 0 where ``den == 0`` and NaN-free gradients there.
+
+  A row that has seen no key has a zero normaliser; it reads as zeros.
+  """
+  empty = den == 0
+  return jnp.where(empty, 0.0, x / jnp.where(empty, 1.0, den))
+
+
 def online_softmax_update(
     carry: SoftmaxCarry,
     scores: jax.Array,
@@ -90,6 +99,6 @@ def online_softmax_finish(carry: SoftmaxCarry) -> tuple[jax.Array, jax.Array]:
     rows that saw no key) and the log-sum-exp ``[..., R]`` (``-inf`` there).
   """
   empty = carry.row_sum == 0.0
-  out = carry.acc / jnp.where(empty, 1.0, carry.row_sum)[..., None]
+  out = safe_divide(carry.acc, carry.row_sum[..., None])
   lse = jnp.where(empty, -jnp.inf, carry.row_max + jnp.log(jnp.where(empty, 1.0, carry.row_sum)))
   return out, lse

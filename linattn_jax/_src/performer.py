@@ -36,23 +36,20 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from linattn_jax._src import checks
+from linattn_jax._src import checks, recurrence
 from linattn_jax._src.feature_maps import (
     favor_plus,
     orthogonal_random_projection,
     random_fourier,
 )
 from linattn_jax._src.linear import (
-    DEFAULT_CHUNK_SIZE,
     IMPLEMENTATIONS,
-    Carry,
     ImpliedWeights,
     LinearImplementation,
     feature_dim,
-    kernel_attention,
     kernel_weights,
-    one_token_step,
 )
+from linattn_jax._src.recurrence import DEFAULT_CHUNK_SIZE, DEFAULT_EPS
 from linattn_jax._src.registry import AttentionSpec, StreamingSpec, register_attention
 
 KERNELS = {"positive": favor_plus, "trig": random_fourier}
@@ -60,15 +57,15 @@ DEFAULT_NUM_FEATURES = 256
 
 
 class PerformerState(NamedTuple):
-  """Recurrent Performer state per key/value head, in units of ``exp(log_scale)``.
+  """Recurrent Performer state per key/value head, in units of ``exp(running_max)``.
 
-  The sums it stands for are ``exp(log_scale) * kv`` and
-  ``exp(log_scale) * k_sum`` (accumulation dtype).
+  The sums it stands for are ``exp(running_max) * kv`` and
+  ``exp(running_max) * k_sum`` (accumulation dtype).
   """
 
-  kv: jax.Array  # [B, K, M, D]: Σ_j exp(s_j - log_scale) φ̃(k_j) v_jᵀ.
-  k_sum: jax.Array  # [B, K, M]: Σ_j exp(s_j - log_scale) φ̃(k_j).
-  log_scale: jax.Array  # [B, K]: running max of the keys' s_j (-inf before any key).
+  kv: jax.Array  # [B, K, M, D]: Σ_j exp(s_j - running_max) φ̃(k_j) v_jᵀ.
+  k_sum: jax.Array  # [B, K, M]: Σ_j exp(s_j - running_max) φ̃(k_j).
+  running_max: jax.Array  # [B, K]: max of the keys' s_j so far (-inf before any key).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +91,7 @@ def performer_attention(
     is_causal: bool = False,
     key_value_seq_lengths: Any = None,
     kernel: str = "positive",
-    eps: float = 1e-6,
+    eps: float = DEFAULT_EPS,
     implementation: LinearImplementation | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     initial_state: PerformerState | None = None,
@@ -147,13 +144,14 @@ def performer_attention(
     Choromanski et al., "Rethinking Attention with Performers", ICLR 2021.
   """
   fn = "performer_attention"
-  out, carry = kernel_attention(
+  out, state = recurrence.recurrent_attention(
       query, key, value, featurizer=_LogScaled(_check_kernel(kernel, fn)), params=projection,
-      is_causal=is_causal, key_value_seq_lengths=key_value_seq_lengths, eps=eps,
-      implementation=implementation, chunk_size=chunk_size,
-      initial_carry=None if initial_state is None else Carry(*initial_state), fn=fn,
+      read="kernel", state_cls=PerformerState, is_causal=is_causal,
+      key_value_seq_lengths=key_value_seq_lengths, eps=eps, implementation=implementation,
+      implementations=IMPLEMENTATIONS, chunk_size=chunk_size, initial_state=initial_state,
+      fn=fn,
   )
-  return (out, PerformerState(*carry)) if return_state else out
+  return (out, state) if return_state else out
 
 
 def performer_attention_reference(
@@ -165,7 +163,7 @@ def performer_attention_reference(
     is_causal: bool = False,
     key_value_seq_lengths: Any = None,
     kernel: str = "positive",
-    eps: float = 1e-6,
+    eps: float = DEFAULT_EPS,
     initial_state: PerformerState | None = None,
     return_state: bool = False,
 ) -> jax.Array | tuple[jax.Array, PerformerState]:
@@ -184,7 +182,7 @@ def performer_attention_reference(
 def init_performer_state(
     batch: int, num_kv_heads: int, feature_dim: int, value_dim: int, dtype: Any = jnp.float32
 ) -> PerformerState:
-  """The empty :class:`PerformerState` (zero sums, ``log_scale = -inf``).
+  """The empty :class:`PerformerState` (zero sums, ``running_max = -inf``).
 
   ``feature_dim`` is M for ``kernel="positive"`` and 2M for ``"trig"``.
   """
@@ -201,15 +199,15 @@ def performer_attention_step(
     *,
     projection: Any,
     kernel: str = "positive",
-    eps: float = 1e-6,
+    eps: float = DEFAULT_EPS,
 ) -> tuple[PerformerState, jax.Array]:
   """One decoding step: ``[B, N, H]``, ``[B, K, H]``, ``[B, K, D]`` in; ``(state, [B, N, D])``.
 
   Adds one key/value to the state (rescaling it if the key raises the
   running maximum) and reads one query; ``lax.scan``-compatible.
   """
-  return one_token_step(performer_attention, state, query, key, value,
-                        projection=projection, kernel=kernel, eps=eps)
+  return recurrence.one_token_step(performer_attention, state, query, key, value,
+                                   projection=projection, kernel=kernel, eps=eps)
 
 
 # Registry: the projection drawn from a hashable seed ------------------------------
@@ -232,7 +230,7 @@ def _performer_by_seed(
     kernel: str = "positive",
     is_causal: bool = False,
     key_value_seq_lengths: Any = None,
-    eps: float = 1e-6,
+    eps: float = DEFAULT_EPS,
     implementation: LinearImplementation | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     initial_state: PerformerState | None = None,
@@ -263,7 +261,7 @@ def _init_by_seed(query, key, value, *, num_features: int = DEFAULT_NUM_FEATURES
 
 def _step_by_seed(state, query, key, value, *, rng: Any = 0,
                   num_features: int = DEFAULT_NUM_FEATURES, kernel: str = "positive",
-                  eps: float = 1e-6):
+                  eps: float = DEFAULT_EPS):
   projection = _projection(rng, num_features, jnp.shape(query)[-1])
   return performer_attention_step(state, query, key, value, projection=projection,
                                   kernel=kernel, eps=eps)
@@ -271,7 +269,7 @@ def _step_by_seed(state, query, key, value, *, rng: Any = 0,
 
 def _weights_by_seed(query, key, *, rng: Any = 0, num_features: int = DEFAULT_NUM_FEATURES,
                      kernel: str = "positive", is_causal: bool = False,
-                     key_value_seq_lengths: Any = None, eps: float = 1e-6) -> ImpliedWeights:
+                     key_value_seq_lengths: Any = None, eps: float = DEFAULT_EPS) -> ImpliedWeights:
   """:func:`kernel_weights` of :func:`_performer_by_seed` (the registry's ``weights``)."""
   fn = "performer_attention"
   return kernel_weights(

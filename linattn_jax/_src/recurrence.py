@@ -1,0 +1,486 @@
+"""The recurrent core of linear, Performer, Shen's efficient and Heinsen's attention.
+
+These families are one computation. Per key/value head, the keys j a query
+sees fold into a fixed-size state::
+
+    kv = Σ_j exp(ℓ_j - μ) φ(k_j) v_jᵀ   [M, D]       k_sum = Σ_j exp(ℓ_j - μ) φ(k_j)   [M]
+
+where ``φ(k_j) [M]`` are the key's features, ``ℓ_j`` its log-scale (a
+stabiliser: the sums stand for ``Σ_j exp(ℓ_j) φ(k_j) v_jᵀ``) and
+``μ = max_j ℓ_j`` the **running max**, the unit in which the state is kept.
+The log-scale has one of two shapes, M' below:
+
+- M' = 1, a scalar per key: 0 for plain maps (elu + 1, ReLU), the row
+  maximum of FAVOR+'s exponents;
+- M' = M, one per feature: Heinsen's ``exp(k_h)`` is ``φ = 1, ℓ = k``, and
+  Shen's key softmax over positions is one online softmax per feature.
+
+A key that raises the running max rescales the state by ``exp(μ_old - μ_new)``
+(as in an online softmax), so nothing overflows, and since ``μ`` is a max over
+the keys a query sees, no output depends on a later key, not even through the
+stabiliser. Two states of consecutive spans combine associatively
+(:func:`combine`: rescale both to the larger running max and add), which is
+what chunked scans, state passing and context parallelism rely on.
+
+A query reads a state in one of two ways (``read``):
+
+- ``"kernel"`` (linear, Performer, Heinsen): with the query's features
+  ``φ(q)`` and log-scale ``ℓ_q``,
+  ``out = Σ_h c_h kv_h / (Σ_h c_h k_sum_h + eps)`` where
+  ``c_h = φ(q)_h exp(ℓ_q,h + μ_h - max_h'(ℓ_q,h' + μ_h'))``. The per-query
+  shift cancels in the ratio; ``eps`` is added in its units.
+- ``"per_feature"`` (Shen): ``out = Σ_h φ(q)_h kv_h / k_sum_h``, a softmax
+  over keys per feature h, mixed by the query's weights.
+
+Causal attention (query t sees keys ``j <= t + S - T``, bottom-right
+aligned; see ``masks.causal``) visits chunks of C tokens with ``lax.scan``
+over a ``jax.checkpoint``-ed body, so the backward pass keeps one state per
+chunk. Within a chunk, the ``"chunked"`` body forms the masked ``[C, C]``
+matrix of query-key weights. With a per-feature log-scale each query has its
+own running max per feature; the body measures the chunk's keys against the
+running max at its first position instead (one ``exp`` per key and feature,
+then matrix products), which is exact for every row whose running max stays
+within ``MAX_RISE`` of it; only rows that climb further (keys of wildly
+different sizes) are recomputed per query (``[C, C, M]`` exponentials). Each
+row's value depends on its own past only, bit for bit.
+
+Internal layout: query features ``[B, K, G, T, M|1]`` and log-scales
+``[B, K, G, T, M'|1]``; key features ``[B, K, S, M|1]`` and log-scales
+``[B, K, S, M']``; values ``[B, K, S, D]``: grouped queries share their
+key/value head's state. A size-1 feature axis broadcasts (Heinsen's φ = 1).
+
+References:
+  Katharopoulos et al., "Transformers are RNNs", 2020 (the recurrent form).
+  Yang et al., "Gated Linear Attention Transformers with Hardware-Efficient
+  Training", 2024 (chunkwise-parallel form).
+  Milakov & Gimelshein, "Online normalizer calculation for softmax", 2018.
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from linattn_jax._src import checks
+from linattn_jax._src.blocks import merge_blocks, pad_axis, split_blocks
+from linattn_jax._src.masks import causal, length_predicate
+from linattn_jax._src.online_softmax import exponent_shift, safe_divide
+
+Read = Literal["kernel", "per_feature"]
+DEFAULT_CHUNK_SIZE = 64
+DEFAULT_EPS = 1e-6
+# A row whose per-feature running max climbs more than this above the chunk's
+# first is computed per query: measured against the first, its keys' terms
+# would reach exp(MAX_RISE) (and exp(88) overflows float32).
+MAX_RISE = 40.0
+
+
+class Carry(NamedTuple):
+  """The core's state per key/value head (accumulation dtype)."""
+
+  kv: jax.Array  # [B, K, M, D]: Σ_j exp(ℓ_j - running_max) φ(k_j) v_jᵀ.
+  k_sum: jax.Array  # [B, K, M]: Σ_j exp(ℓ_j - running_max) φ(k_j).
+  running_max: jax.Array  # [B, K, M']: max of the keys' ℓ_j seen so far (-inf: none).
+
+
+def empty_carry(B: int, K: int, M: int, M_log: int, D: int, dtype: Any) -> Carry:
+  """The state of no keys: zero sums, running max ``-inf``."""
+  return Carry(jnp.zeros((B, K, M, D), dtype), jnp.zeros((B, K, M), dtype),
+               jnp.full((B, K, M_log), -jnp.inf, dtype))
+
+
+# State algebra ------------------------------------------------------------------
+
+
+def summarize(fk: jax.Array, lk: jax.Array, v: jax.Array) -> Carry:
+  """The state of S keys: ``fk [..., S, M|1]``, ``lk [..., S, M']``, ``v [..., S, D]``."""
+  m = jnp.max(lax.stop_gradient(lk), axis=-2)
+  e = fk * jnp.exp(lk - exponent_shift(m)[..., None, :])  # [..., S, M]
+  return Carry(jnp.einsum("...sm,...sd->...md", e, v), jnp.sum(e, axis=-2), m)
+
+
+def combine(earlier: Carry, later: Carry) -> Carry:
+  """The state of ``earlier``'s keys followed by ``later``'s (associative; shapes broadcast)."""
+  m = lax.stop_gradient(jnp.maximum(earlier.running_max, later.running_max))
+  shift = exponent_shift(m)
+  wa, wb = jnp.exp(earlier.running_max - shift), jnp.exp(later.running_max - shift)
+  return Carry(wa[..., None] * earlier.kv + wb[..., None] * later.kv,
+               wa * earlier.k_sum + wb * later.k_sum, m)
+
+
+# Reading states -----------------------------------------------------------------
+
+
+def _coefficients(read: Read, fq, lq, units, running_max, den):
+  """Query t's weight on feature h of a state kept in units ``exp(units)``.
+
+  ``"kernel"``: ``φ(q)_h exp(ℓ_q,h + units_h - c_t)`` with the per-query shift
+  ``c_t = max_h(ℓ_q,h + running_max_h)`` (it cancels; features not yet seen,
+  ``units = -inf``, get 0). ``"per_feature"``: ``φ(q)_h / den_h`` (0 where
+  ``den = 0``). Arguments broadcast against ``fq [..., T, M|1]``.
+  """
+  if read == "per_feature":
+    return safe_divide(fq, den)
+  c = lax.stop_gradient(exponent_shift(jnp.max(lq + running_max, axis=-1, keepdims=True)))
+  return fq * jnp.exp(lq + units - c)
+
+
+def _finish(read: Read, num, den, eps: float):
+  """``num / (den + eps)`` for a kernel read (0 where that is 0); a per-feature read is done."""
+  if read == "per_feature":
+    return num
+  return safe_divide(num, (den + eps)[..., None])
+
+
+def readout(read: Read, eps: float, carry: Carry, fq, lq) -> jax.Array:
+  """Queries ``[B, K, G, T, ·]`` read one state ``[B, K, ...]`` or one per query ``[B, K, T, ...]``.
+  """
+  per_query = carry.kv.ndim == 5
+  lift = (lambda x: x[:, :, None]) if per_query else (lambda x: x[:, :, None, None])
+  m, k_sum = lift(carry.running_max), lift(carry.k_sum)
+  coef = _coefficients(read, fq, lq, m, m, k_sum)
+  num = jnp.einsum("bkgtm,bktmd->bkgtd" if per_query else "bkgtm,bkmd->bkgtd", coef, carry.kv)
+  return _finish(read, num, jnp.sum(coef * k_sum, axis=-1), eps)
+
+
+def exact_weights(read: Read, carry: Carry, fq, lq, fk, lk, visible: jax.Array | None):
+  """Each query's weights in the units of its own running max: ``(a, cw, k_sum)``.
+
+  ``a [B, K, G, T, S]`` weighs the keys (exact zeros where ``visible [T, S]``
+  hides them; None: all visible) and ``cw [B, K, G, T, M]`` the state's
+  features, so that ``num = a v + cw kv`` and, for a kernel read,
+  ``den = Σ_j a + cw·k_sum`` (``k_sum`` returned broadcastable to ``cw``).
+  Per-feature log-scales form ``[T, S, M]`` exponentials: use on chunks.
+  """
+  lk = lk[:, :, None]  # [B, K, 1, S, M']
+  if visible is not None:
+    lk = jnp.where(visible[..., None], lk, -jnp.inf)  # [B, K, T, S, M']
+  state_max = carry.running_max[:, :, None]  # [B, K, 1, M']
+  m = jnp.maximum(state_max, jnp.max(lax.stop_gradient(lk), axis=-2))  # [B, K, T|1, M']
+  shift = lax.stop_gradient(exponent_shift(m))
+  e = jnp.exp(lk - shift[..., None, :])  # [B, K, T|1, S, M']; 0 where hidden.
+  w = jnp.exp(state_max - shift)[:, :, None]  # [B, K, 1, T|1, M']: the state's weight.
+  k_sum = carry.k_sum[:, :, None, None]  # [B, K, 1, 1, M]
+  if lk.shape[-1] == 1:  # One log-scale per key: weight = (φ(q)·φ(k)) exp(ℓ_k - m_t).
+    e = e[..., 0][:, :, None]  # [B, K, 1, T|1, S]
+    den = w * k_sum + jnp.einsum("bkgts,bksm->bkgtm", e, fk)
+    coef = _coefficients(read, fq, lq, m[:, :, None], m[:, :, None], den)
+    a = jnp.einsum("bkgtm,bksm->bkgts", coef, fk)
+    a = jnp.where(e > 0, a * e, 0)  # Hidden keys: exact zeros, even where φ(q)·φ(k) = inf.
+  else:  # One log-scale per feature: weight = Σ_h coef_h φ(k)_h exp(ℓ_k,h - m_t,h).
+    p = fk[:, :, None] * e  # [B, K, T|1, S, M]
+    den = w * k_sum + jnp.sum(p, axis=-2)[:, :, None]
+    coef = _coefficients(read, fq, lq, m[:, :, None], m[:, :, None], den)
+    if p.shape[2] == 1:  # No mask: every query has the same keys.
+      a = jnp.einsum("bkgtm,bksm->bkgts", coef, p[:, :, 0])
+    else:
+      a = jnp.einsum("bkgtm,bktsm->bkgts", coef, p)
+  return a, coef * w, k_sum
+
+
+def _exact_block(read: Read, eps: float, carry: Carry, fq, lq, fk, lk, v,
+                 visible: jax.Array | None) -> jax.Array:
+  """Queries against the state plus keys ``visible [T, S]``, by :func:`exact_weights`."""
+  a, cw, k_sum = exact_weights(read, carry, fq, lq, fk, lk, visible)
+  num = jnp.einsum("bkgts,bksd->bkgtd", a, v) + jnp.einsum("bkgtm,bkmd->bkgtd", cw, carry.kv)
+  return _finish(read, num, jnp.sum(a, axis=-1) + jnp.sum(cw * k_sum, axis=-1), eps)
+
+
+def _chunk_block(read: Read, eps: float, carry: Carry, fq, lq, fk, lk, v):
+  """C aligned causal queries against the state and C keys, per-feature log-scales.
+
+  Every key and the state are measured against ``R``, the running max at
+  the chunk's first position (which every query of the chunk sees, so ``R``
+  is causal): ``e_j = φ(k_j) exp(ℓ_j - R)``, and query t's coefficient
+  carries ``exp(R - c_t)``; one exponential per key and feature, then matrix
+  products. Exact for the rows whose running max stays within ``MAX_RISE``
+  of ``R``; returns ``(out, needs_exact [B, K, C])`` marking the others.
+  """
+  C = lk.shape[2]
+  state_max = carry.running_max  # [B, K, M]
+  m = jnp.maximum(state_max[:, :, None], lax.cummax(lax.stop_gradient(lk), axis=2))
+  R = m[:, :, 0]  # [B, K, M]
+  shift = exponent_shift(R)
+  rise = jnp.where(m == -jnp.inf, 0, m - R[:, :, None])  # +inf where a feature starts empty.
+  needs_exact = jnp.max(rise, axis=-1) > MAX_RISE  # [B, K, C]
+  # Keys past a row's reach are capped: only rows that need the exact form could see them.
+  x = lk - shift[:, :, None]
+  e = fk * jnp.exp(jnp.where(x <= MAX_RISE, x, MAX_RISE))  # [B, K, C, M]
+  w = jnp.exp(state_max - shift)  # [B, K, M], <= 1.
+  den = (w * carry.k_sum)[:, :, None] + jnp.cumsum(e, axis=2)  # [B, K, C, M], units exp(R).
+  coef = _coefficients(read, fq, lq, R[:, :, None, None], m[:, :, None], den[:, :, None])
+  # Rows left to the exact form read nothing here (zeros, zero gradients, never inf).
+  coef = jnp.where(needs_exact[:, :, None, :, None], 0, coef)
+  a = jnp.where(jnp.tril(jnp.ones((C, C), bool)), jnp.einsum("bkgim,bkjm->bkgij", coef, e), 0)
+  num = (jnp.einsum("bkgij,bkjd->bkgid", a, v)
+         + jnp.einsum("bkgim,bkmd->bkgid", coef * w[:, :, None, None], carry.kv))
+  out = _finish(read, num, jnp.sum(coef * den[:, :, None], axis=-1), eps)
+  return out, needs_exact
+
+
+# Causal chunk bodies: (carry, fq, lq [B,K,G,C,.], fk, lk [B,K,C,.], v [B,K,C,D]) -> (carry, out)
+
+
+def _chunk_masked(read, eps, carry: Carry, fq, lq, fk, lk, v):
+  exact = functools.partial(_exact_block, read, eps, carry, fq, lq, fk, lk, v,
+                            causal(lk.shape[2]))
+  if lk.shape[-1] == 1:  # A scalar log-scale per key costs only [C, C] exponentials.
+    out = exact()
+  else:  # Rows are replaced, never recomputed: each row's value depends on its own past.
+    out, needs_exact = _chunk_block(read, eps, carry, fq, lq, fk, lk, v)
+    out = lax.cond(jnp.any(needs_exact),
+                   lambda: jnp.where(needs_exact[:, :, None, :, None], exact(), out),
+                   lambda: out)
+  return combine(carry, summarize(fk, lk, v)), out
+
+
+def _per_token(fk, lk, v) -> Carry:
+  """One state per token: fields ``[B, K, C, ...]``."""
+  return summarize(fk[..., None, :], lk[..., None, :], v[..., None, :])
+
+
+def _chunk_scan(read, eps, carry: Carry, fq, lq, fk, lk, v):
+  def token(carry, xs):
+    fq_t, lq_t, fk_t, lk_t, v_t = xs
+    carry = combine(carry, _per_token(fk_t, lk_t, v_t))
+    return carry, readout(read, eps, carry, fq_t[:, :, :, None], lq_t[:, :, :, None])[:, :, :, 0]
+
+  xs = (*(jnp.moveaxis(x, 3, 0) for x in (fq, lq)), *(jnp.moveaxis(x, 2, 0) for x in (fk, lk, v)))
+  carry, out = lax.scan(token, carry, xs)
+  return carry, jnp.moveaxis(out, 0, 3)
+
+
+def _chunk_associative_scan(read, eps, carry: Carry, fq, lq, fk, lk, v):
+  prefix = lax.associative_scan(combine, _per_token(fk, lk, v), axis=2)
+  states = combine(jax.tree.map(lambda x: x[:, :, None], carry), prefix)  # [B, K, C, ...]
+  return jax.tree.map(lambda x: x[:, :, -1], states), readout(read, eps, states, fq, lq)
+
+
+CHUNK_BODIES: Mapping[str, Callable[..., Any]] = {
+    "scan": _chunk_scan,
+    "associative_scan": _chunk_associative_scan,
+    "chunked": _chunk_masked,
+}
+
+
+def _pad_front(x: jax.Array, axis: int, count: int, value: float) -> jax.Array:
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (count, 0)
+  return jnp.pad(x, widths, constant_values=value)
+
+
+def causal_pass(body, read: Read, eps: float, carry: Carry, fq, lq, fk, lk, v, *,
+                chunk_size: int) -> tuple[jax.Array, Carry]:
+  """Causal attention of T queries on S keys (bottom-right aligned): ``(out, carry)``.
+
+  For S > T the first S - T keys are a prefix every query sees (folded into
+  the state first); for T > S the first T - S queries see only the state
+  (aligned with T - S hidden keys). The aligned sequence runs in chunks of
+  ``chunk_size`` through ``body``, under ``jax.checkpoint``.
+  """
+  T, S = fq.shape[3], fk.shape[2]
+  if S > T:
+    carry = combine(carry, summarize(fk[:, :, :S - T], lk[:, :, :S - T], v[:, :, :S - T]))
+    fk, lk, v = fk[:, :, S - T:], lk[:, :, S - T:], v[:, :, S - T:]
+  elif T > S:
+    fk, lk, v = (_pad_front(x, 2, T - S, value) for x, value in ((fk, 0), (lk, -jnp.inf), (v, 0)))
+  C = min(chunk_size, T)
+  lk = pad_axis(lk, 2, C, -jnp.inf)  # Padding keys are hidden and keep the running max.
+  xs = (*(split_blocks(x, 3, C) for x in (fq, lq)), *(split_blocks(x, 2, C) for x in (fk, lk, v)))
+  body = functools.partial(body, read, eps)
+  if xs[0].shape[0] == 1:
+    carry, out = body(carry, *(x[0] for x in xs))
+    return out, carry
+  step = jax.checkpoint(lambda c, x: body(c, *x), prevent_cse=False)
+  carry, out = lax.scan(step, carry, xs)
+  return merge_blocks(out, 3, T), carry
+
+
+def attend(read: Read, eps: float, carry: Carry, fq, lq, fk, lk, v, *, is_causal: bool,
+           implementation: str, chunk_size: int) -> tuple[jax.Array, Carry]:
+  """Output ``[B, K, G, T, D]`` and the final state, from internal-layout arrays.
+
+  ``implementation``: ``"reference"`` (the masked ``[T, S]`` weights at
+  once), ``"parallel"`` (non-causal: one summary), or a causal body of
+  :data:`CHUNK_BODIES`; without ``is_causal`` every form reads one summary.
+  """
+  if implementation == "reference":
+    visible = causal(fq.shape[3], fk.shape[2]) if is_causal else None
+    out = _exact_block(read, eps, carry, fq, lq, fk, lk, v, visible)
+    return out, combine(carry, summarize(fk, lk, v))
+  if not is_causal:
+    carry = combine(carry, summarize(fk, lk, v))
+    return readout(read, eps, carry, fq, lq), carry
+  return causal_pass(CHUNK_BODIES[implementation], read, eps, carry, fq, lq, fk, lk, v,
+                     chunk_size=chunk_size)
+
+
+# State checks and the one-token step ----------------------------------------------
+
+
+def check_state(state: Any, cls: type, want: Mapping[str, tuple[int, ...]], *, fn: str,
+                dims: str, what: str = "the state") -> Any:
+  """``state`` as a ``cls`` of float arrays with the ``want`` shapes, or a ValueError.
+
+  Names the function, the state type, the field, and both shapes; ``dims``
+  says which sizes the shapes come from (e.g. ``"B=2, K=1, M=4, D=3"``).
+  """
+  name = cls.__name__
+  if not isinstance(state, cls):
+    raise ValueError(
+        f"{fn}: {what} must be a {name} (fields {', '.join(cls._fields)}); got "
+        f"{type(state).__name__}.")
+  arrays = {}
+  for field, shape in want.items():
+    x = jnp.asarray(getattr(state, field))
+    if x.shape != tuple(shape):
+      raise ValueError(
+          f"{fn}: {what} {name}.{field} has shape {x.shape}; expected {tuple(shape)} for {dims}.")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise ValueError(f"{fn}: {what} {name}.{field} must be floating point; got {x.dtype}.")
+    arrays[field] = x
+  return cls(**arrays)
+
+
+def one_token_step(attention: Callable[..., Any], state, query, key, value, **options):
+  """A causal pass of ``attention`` over one token (T = S = 1) from ``state``.
+
+  ``query [B, N, H]``, ``key [B, K, H]``, ``value [B, K, D]`` (no B when
+  unbatched) -> ``(state, out [B, N, D])``, with the state in the dtype it
+  came in (``lax.scan``-ready); uses the ``"scan"`` recurrence.
+  """
+  arrays = tuple(jnp.asarray(x) for x in (query, key, value))
+  if len({x.ndim for x in arrays}) != 1 or arrays[0].ndim not in (2, 3):
+    raise ValueError(
+        f"{getattr(attention, '__name__', 'attention')}_step: query [B, N, H], key [B, K, H] "
+        "and value [B, K, D] must have the same rank, 3 (or 2 unbatched); got "
+        f"{', '.join(str(x.shape) for x in arrays)}.")
+  out, new = attention(*(jnp.expand_dims(x, -3) for x in arrays), is_causal=True,
+                       implementation="scan", initial_state=state, return_state=True, **options)
+  new = jax.tree.map(lambda x, old: x.astype(jnp.result_type(old)), new, state)
+  return new, jnp.squeeze(out, -3)
+
+
+# The entry point every family calls ------------------------------------------------
+
+# featurizer(params, x [..., H], *, is_query) -> (features [..., M|1],
+# log-scale None | [...] | [..., M]); a hashable (static) object, its arrays in params.
+Featurizer = Callable[..., tuple[jax.Array, jax.Array | None]]
+
+
+def _log_scale(features: jax.Array, log_scale: jax.Array | None, dtype) -> jax.Array:
+  """A featurizer's log-scale with its trailing axis: ``[..., 1]`` or ``[..., M]``."""
+  if log_scale is None:
+    return jnp.zeros(features.shape[:-1] + (1,), dtype)
+  log_scale = log_scale.astype(dtype)
+  return log_scale if log_scale.ndim == features.ndim else log_scale[..., None]
+
+
+def featurize(p: checks.Prepared, featurizer: Callable[..., Any], lengths, dtype, fn: str):
+  """``(fq, lq, fk, lk, v)`` in the internal layout; padded keys hidden (lk = -inf, fk = v = 0)."""
+  B, T, S, N, K, H, D = p.dims
+  q = p.query.astype(dtype).reshape(B, T, K, N // K, H).transpose(0, 2, 3, 1, 4)
+  k = p.key.astype(dtype).transpose(0, 2, 1, 3)  # [B, K, S, H]
+  v = p.value.astype(dtype).transpose(0, 2, 1, 3)  # [B, K, S, D]
+  fq, lq = featurizer(q, is_query=True)
+  fk, lk = featurizer(k, is_query=False)
+  fq, fk = fq.astype(dtype), fk.astype(dtype)
+  lq, lk = _log_scale(fq, lq, dtype), _log_scale(fk, lk, dtype)
+  sizes = {x.shape[-1] for x in (fq, lq, fk, lk)} - {1}
+  if (fq.shape[:-1] != q.shape[:-1] or fk.shape[:-1] != k.shape[:-1] or len(sizes) > 1
+      or lq.shape[:-1] != fq.shape[:-1] or lk.shape[:-1] != fk.shape[:-1]):
+    raise ValueError(
+        f"{fn}: the feature map must map [..., H] to [..., M] with one M for queries and "
+        f"keys; got {q.shape} -> {fq.shape} and {k.shape} -> {fk.shape}."
+    )
+  valid = length_predicate(jnp.arange(S), lengths)[:, None, :, None]  # [B|1, 1, S, 1]
+  return (fq, lq, jnp.where(valid, fk, 0), jnp.where(valid, lk, -jnp.inf),
+          jnp.where(valid, v, 0))
+
+
+def _state_fields(state_cls: type, lead: tuple[int, ...], K: int, M: int, M_log: int,
+                  D: int) -> dict[str, tuple[int, ...]]:
+  """The shapes of a public state's fields (``kv``, ``k_sum``, optional ``running_max``)."""
+  want = {"kv": lead + (K, M, D), "k_sum": lead + (K, M)}
+  if "running_max" in state_cls._fields:
+    want["running_max"] = lead + (K,) + ((M,) if M_log > 1 else ())
+  return want
+
+
+def _to_carry(state, state_cls: type, p: checks.Prepared, M: int, M_log: int, dtype,
+              fn: str) -> Carry:
+  B, _, _, _, K, _, D = p.dims
+  lead = (B,) if p.batched else ()
+  state = check_state(state, state_cls, _state_fields(state_cls, lead, K, M, M_log, D), fn=fn,
+                      dims=f"B={B}, K={K}, M={M}, D={D}" + ("" if p.batched else " (no B)"),
+                      what="initial_state")
+  if "running_max" in state_cls._fields:
+    running_max = state.running_max if M_log > 1 else state.running_max[..., None]
+  else:  # Plain maps: the sums are in units of exp(0).
+    running_max = jnp.zeros(lead + (K, 1))
+  carry = Carry(state.kv, state.k_sum, running_max)
+  carry = jax.tree.map(lambda x: x.astype(dtype), carry)
+  return carry if p.batched else jax.tree.map(lambda x: x[None], carry)
+
+
+def _from_carry(carry: Carry, state_cls: type, batched: bool):
+  fields = {"kv": carry.kv, "k_sum": carry.k_sum}
+  if "running_max" in state_cls._fields:
+    rm = carry.running_max
+    fields["running_max"] = rm[..., 0] if rm.shape[-1] == 1 else rm
+  state = state_cls(**fields)
+  return state if batched else jax.tree.map(lambda x: x[0], state)
+
+
+def recurrent_attention(
+    query: Any, key: Any, value: Any, *, featurizer: Featurizer, params: Any, read: Read,
+    state_cls: type, is_causal: bool, key_value_seq_lengths: Any, eps: float,
+    implementation: str | None, implementations: Sequence[str], chunk_size: int,
+    initial_state: Any, fn: str,
+) -> tuple[jax.Array, Any]:
+  """The shared entry of every recurrent family: ``(out [B, T, N, D], final state)``.
+
+  Checks the static options here, then runs one jitted function (inlined
+  under an outer jit; eager calls reuse its compiled program) that validates
+  the arrays and the state (a ``state_cls`` with fields ``kv``, ``k_sum``
+  and, for stabilised maps, ``running_max``), featurises, dispatches on
+  ``implementation`` (None: ``"chunked"`` if causal, else ``"parallel"``) and
+  restores the public layout (and the missing batch axis of unbatched calls).
+  """
+  is_causal = checks.check_static_bool(is_causal, name="is_causal", fn=fn)
+  implementation = checks.check_implementation(
+      implementation, choices=implementations, is_causal=is_causal, fn=fn)
+  implementation = implementation or ("chunked" if is_causal else "parallel")
+  chunk_size = checks.check_positive_int(chunk_size, name="chunk_size", fn=fn)
+  if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or eps < 0:
+    raise ValueError(f"{fn}: eps must be a non-negative float; got {eps!r}.")
+  return _recurrent_attention(
+      query, key, value, key_value_seq_lengths, initial_state, params, featurizer=featurizer,
+      read=read, state_cls=state_cls, is_causal=is_causal, eps=float(eps),
+      implementation=implementation, chunk_size=chunk_size, fn=fn)
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "featurizer", "read", "state_cls", "is_causal", "eps", "implementation", "chunk_size", "fn"))
+def _recurrent_attention(query, key, value, lengths, state, params, *, featurizer, read,
+                         state_cls, is_causal, eps, implementation, chunk_size, fn):
+  p = checks.prepare_qkv(query, key, value, fn=fn)
+  (lengths,) = checks.check_lengths(p, fn=fn, key_value_seq_lengths=lengths).values()
+  dtype = checks.accumulation_dtype(p.query.dtype)
+  fq, lq, fk, lk, v = featurize(p, functools.partial(featurizer, params), lengths, dtype, fn)
+  B, T, _, N, K, _, D = p.dims
+  M, M_log = max(fk.shape[-1], lk.shape[-1]), lk.shape[-1]
+  if state is None:
+    carry = empty_carry(B, K, M, M_log, D, dtype)
+  else:
+    carry = _to_carry(state, state_cls, p, M, M_log, dtype, fn)
+  out, carry = attend(read, eps, carry, fq, lq, fk, lk, v, is_causal=is_causal,
+                      implementation=implementation, chunk_size=chunk_size)
+  out = out.transpose(0, 3, 1, 2, 4).reshape(B, T, N, D).astype(p.query.dtype)
+  return p.restore(out), _from_carry(carry, state_cls, p.batched)
