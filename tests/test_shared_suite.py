@@ -8,6 +8,9 @@ lists is checked here against the spec's oracle:
 3. causality, by the Jacobian and by perturbing future tokens;
    streaming: scanning the one-token step equals the causal pass, and
    splitting a sequence anywhere and carrying the state equals one pass;
+   the state protocol: a prefill's state decodes on with ``step``, and the
+   recurrent variants' summaries of spans combine associatively into the
+   summary of all; mismatched states raise ValueErrors naming the field;
 4. jit == eager, no retrace on a second call, vmap, unbatched inputs;
 5. dtype round trip for bfloat16 / float16, finite on stress inputs;
 6. ValueErrors for bad shapes, dtypes, lengths and options.
@@ -21,6 +24,7 @@ import functools
 import inspect
 import itertools
 
+import chex
 import jax
 import jax.numpy as jnp
 import jax.test_util
@@ -43,6 +47,8 @@ from _helpers import (
   spec_cases,
 )
 
+import linattn_jax as la
+
 CASES = spec_cases()
 # Parity with the oracle is vacuous for the oracle itself.
 PARITY_CASES = [c for c in CASES if c[1] != "reference"]
@@ -56,6 +62,11 @@ STREAM_CASES = [c for c in CAUSAL_CASES if c[0].streaming is not None]
 stream_case_param = pytest.mark.parametrize(
     "case", STREAM_CASES, ids=[case_id(c) for c in STREAM_CASES])
 SPLIT_CASES = [c for c in STREAM_CASES if c[0].streaming.state_passing]
+# The state protocol is the variant's, not an implementation's: one case per variant.
+STREAM_SPECS = list({c[0].name: c[0] for c in STREAM_CASES}.values())
+RECURRENT_SPECS = [s for s in STREAM_SPECS if s.streaming.summarize is not None]
+stream_spec_param = pytest.mark.parametrize("spec", STREAM_SPECS, ids=lambda s: s.name)
+recurrent_spec_param = pytest.mark.parametrize("spec", RECURRENT_SPECS, ids=lambda s: s.name)
 split_case_param = pytest.mark.parametrize(
     "case", SPLIT_CASES, ids=[case_id(c) for c in SPLIT_CASES])
 causal_param = pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
@@ -259,6 +270,120 @@ def test_state_passing_split_equals_one_pass(case, split, seeds):
     q, k, v = make_qkv(SHAPES[0], seed=seed)
     assert_matches_oracle(in_two(q, k, v), spec, q, k, v, is_causal=True,
                           err_msg=f"seed {seed}:")
+
+
+# The state protocol ------------------------------------------------------------------
+
+
+@stream_spec_param
+def test_prefill_state_then_steps_equal_one_causal_pass(spec):
+  """``fn(prompt, is_causal=True, return_state=True)``, then ``step`` per token."""
+  stream = spec.streaming
+  fast, _ = build(spec, None)
+  q, k, v = make_qkv(SHAPES[0])
+  P = 6
+
+  @jax.jit
+  def prefill_then_decode(q, k, v):
+    out, state = fast(q[:, :P], k[:, :P], v[:, :P], is_causal=True, return_state=True)
+
+    def one_token(state, qkv):
+      return stream.step(state, *qkv, **_accepted(stream.step, spec.test_options))
+    _, outs = jax.lax.scan(one_token, state, tuple(x[:, P:].swapaxes(0, 1) for x in (q, k, v)))
+    return jnp.concatenate([out, outs.swapaxes(0, 1)], axis=1)
+
+  assert_matches_oracle(prefill_then_decode(q, k, v), spec, q, k, v, is_causal=True)
+
+
+SPANS = ((0, 5), (5, 9), (9, 13))  # Of SHAPES[0]'s 13 keys.
+
+
+def _span_inputs(spec):
+  """SHAPES[0] with the middle span's stabiliser maxima about 100 above the others',
+  and the last span padded in one batch row.
+
+  The stabiliser is the key itself for per-feature log-scales (Shen, Heinsen),
+  so those keys are shifted by 100 (as are plain maps' keys, which have none);
+  a random-feature map's log-scale grows like ``|k|² / (2√H)``, so those keys
+  are scaled by 9 (+114 for these keys; a shift of 100 would put float32
+  ``sin(w·k)`` arguments in the hundreds, whose rounding no engine can undo).
+  """
+  q, k, v = make_qkv(SHAPES[0])
+  if "num_features" in spec.test_options:
+    k = k.at[:, 5:9].multiply(9.0)
+  else:
+    k = k.at[:, 5:9].add(100.0)
+  return q, k, v, jnp.asarray([13, 11])
+
+
+def _summaries(spec, k, v, lengths):
+  stream = spec.streaming
+  summarize = functools.partial(stream.summarize,
+                                **_accepted(stream.summarize, spec.test_options))
+  parts = [summarize(k[:, a:b], v[:, a:b], key_value_seq_lengths=jnp.clip(lengths - a, 0, b - a))
+           for a, b in SPANS]
+  return parts, summarize(k, v, key_value_seq_lengths=lengths)
+
+
+def _assert_states_close(got, want, err_msg):
+  """Field by field, relative to each field's scale (the units are the running max)."""
+  for field, g, w in zip(type(want)._fields, got, want, strict=True):
+    w = np.asarray(w)
+    scale = np.max(np.abs(np.where(np.isfinite(w), w, 0)), initial=1e-30)
+    np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5 * scale, err_msg=f"{err_msg} {field}")
+
+
+@recurrent_spec_param
+def test_summaries_of_spans_combine_associatively_into_the_summary_of_all(spec):
+  combine = spec.streaming.combine
+  q, k, v, lengths = _span_inputs(spec)
+  fast, _ = build(spec, None)
+
+  @jax.jit
+  def run(q, k, v):
+    (a, b, c), whole = _summaries(spec, k, v, lengths)
+    left, right = combine(combine(a, b), c), combine(a, combine(b, c))
+    # The last span's queries read the combined state of the first two.
+    head = fast(q[:, :9], k[:, :9], v[:, :9], is_causal=True)
+    tail = fast(q[:, 9:], k[:, 9:], v[:, 9:], is_causal=True, initial_state=combine(a, b),
+                key_value_seq_lengths=jnp.clip(lengths - 9, 0, 4))
+    return left, right, whole, jnp.concatenate([head, tail], axis=1)
+
+  left, right, whole, out = run(q, k, v)
+  chex.assert_trees_all_equal_structs(left, whole)
+  _assert_states_close(left, right, "associativity:")
+  _assert_states_close(left, whole, "combined summaries vs one summary:")
+  assert_matches_oracle(out, spec, q, k, v, is_causal=True, lengths=lengths)
+
+
+@recurrent_spec_param
+def test_mismatched_states_raise_value_errors_naming_the_field_and_shapes(spec):
+  fast, _ = build(spec, None)
+  q, k, v, _ = _span_inputs(spec)
+  (state, _, _), _ = _summaries(spec, k, v, jnp.asarray([13, 13]))
+  name = type(state).__name__
+
+  def call(bad):
+    return fast(q, k, v, is_causal=True, initial_state=bad)
+
+  cases = {
+      "batch": jax.tree.map(lambda x: x[:1], state),
+      "heads": jax.tree.map(lambda x: x[:, :1], state),
+      "features": state._replace(kv=state.kv[:, :, :1], k_sum=state.k_sum[:, :, :1]),
+  }
+  for bad in cases.values():
+    with pytest.raises(ValueError, match=rf"{name}\.\w+ has shape \(.*\); expected \("):
+      call(bad)
+    with pytest.raises(ValueError, match=rf"combine: {name}\.\w+ has shapes \(.*\) and \("):
+      spec.streaming.combine(state, bad)
+  with pytest.raises(ValueError, match=rf"{name}\.kv must be floating point"):
+    call(state._replace(kv=state.kv.astype(jnp.int32)))
+  other = la.HeinsenState if name != "HeinsenState" else la.EfficientState
+  another = other(state.kv, state.k_sum, jnp.zeros_like(state.k_sum))  # Same field shapes.
+  with pytest.raises(ValueError, match=rf"must be a {name}.*got {other.__name__}"):
+    call(another)
+  with pytest.raises(ValueError, match=rf"combine: .*{name} and {other.__name__}"):
+    spec.streaming.combine(state, another)
 
 
 # 4. Transformations --------------------------------------------------------

@@ -259,6 +259,12 @@ def _init_like(query: jax.Array, key: jax.Array, value: jax.Array) -> EfficientS
       B, K, H, value.shape[-1], checks.accumulation_dtype(query.dtype))
 
 
+def _summarize(key: Any, value: Any, *, key_value_seq_lengths: Any = None) -> EfficientState:
+  """The :class:`EfficientState` of ``key`` / ``value`` (the registry's ``summarize``)."""
+  return recurrence.summarize_keys(efficient_attention, key, value,
+                                   key_value_seq_lengths=key_value_seq_lengths)
+
+
 register_attention(AttentionSpec(
     name="efficient",
     function=efficient_attention,
@@ -269,5 +275,6 @@ register_attention(AttentionSpec(
     suite_implementations=("parallel", "scan", "chunked"),
     noncausal_only=frozenset({"parallel"}),
     test_options={"chunk_size": 4},
-    streaming=StreamingSpec(init=_init_like, step=efficient_attention_step),
+    streaming=StreamingSpec(init=_init_like, step=efficient_attention_step, summarize=_summarize,
+                            combine=recurrence.combine_states),
 ))

@@ -458,6 +458,12 @@ def _init_state_like(query: Any, key: Any, value: Any) -> HeinsenState:
                             checks.accumulation_dtype(jnp.result_type(query)))
 
 
+def _summarize(key: Any, value: Any, *, key_value_seq_lengths: Any = None) -> HeinsenState:
+  """The :class:`HeinsenState` of ``key`` / ``value`` (the registry's ``summarize``)."""
+  return recurrence.summarize_keys(heinsen_attention, key, value,
+                                   key_value_seq_lengths=key_value_seq_lengths)
+
+
 register_attention(AttentionSpec(
     name="heinsen",
     function=heinsen_attention,
@@ -469,5 +475,6 @@ register_attention(AttentionSpec(
     # one (the scan form runs through the streaming step).
     suite_implementations=("parallel", "chunked"),
     test_options={"chunk_size": 4},
-    streaming=StreamingSpec(init=_init_state_like, step=heinsen_attention_step),
+    streaming=StreamingSpec(init=_init_state_like, step=heinsen_attention_step,
+                            summarize=_summarize, combine=recurrence.combine_states),
 ))

@@ -290,6 +290,13 @@ def _weights(query, key, *, feature_map: FeatureMap = elu_plus_one, is_causal: b
                         eps=eps, fn="linear_attention")
 
 
+def _summarize(key, value, *, feature_map: FeatureMap = elu_plus_one,
+               key_value_seq_lengths: Any = None) -> LinearState:
+  """The :class:`LinearState` of ``key`` / ``value`` (the registry's ``summarize``)."""
+  return recurrence.summarize_keys(linear_attention, key, value, feature_map=feature_map,
+                                   key_value_seq_lengths=key_value_seq_lengths)
+
+
 def _register(name: str, feature_map: FeatureMap,
               suite_implementations: tuple[str, ...] | None = None) -> None:
   bind = functools.partial
@@ -303,7 +310,9 @@ def _register(name: str, feature_map: FeatureMap,
       noncausal_only=frozenset({"parallel"}),
       test_options={"chunk_size": 4},
       streaming=StreamingSpec(init=bind(_init_like, feature_map=feature_map),
-                              step=bind(linear_attention_step, feature_map=feature_map)),
+                              step=bind(linear_attention_step, feature_map=feature_map),
+                              summarize=bind(_summarize, feature_map=feature_map),
+                              combine=recurrence.combine_states),
       weights=bind(_weights, feature_map=feature_map),
   ))
 

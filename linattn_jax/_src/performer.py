@@ -267,6 +267,14 @@ def _step_by_seed(state, query, key, value, *, rng: Any = 0,
                                   kernel=kernel, eps=eps)
 
 
+def _summarize_by_seed(key, value, *, rng: Any = 0, num_features: int = DEFAULT_NUM_FEATURES,
+                       kernel: str = "positive", key_value_seq_lengths: Any = None):
+  """The :class:`PerformerState` of ``key`` / ``value`` (the registry's ``summarize``)."""
+  return recurrence.summarize_keys(
+      _performer_by_seed, key, value, rng=rng, num_features=num_features, kernel=kernel,
+      key_value_seq_lengths=key_value_seq_lengths)
+
+
 def _weights_by_seed(query, key, *, rng: Any = 0, num_features: int = DEFAULT_NUM_FEATURES,
                      kernel: str = "positive", is_causal: bool = False,
                      key_value_seq_lengths: Any = None, eps: float = DEFAULT_EPS) -> ImpliedWeights:
@@ -291,7 +299,9 @@ def _register(name: str, kernel: str, num_features: int,
       noncausal_only=frozenset({"parallel"}),
       test_options={"chunk_size": 4, "num_features": num_features},
       streaming=StreamingSpec(init=bind(_init_by_seed, kernel=kernel),
-                              step=bind(_step_by_seed, kernel=kernel)),
+                              step=bind(_step_by_seed, kernel=kernel),
+                              summarize=bind(_summarize_by_seed, kernel=kernel),
+                              combine=recurrence.combine_states),
       weights=bind(_weights_by_seed, kernel=kernel),
   ))
 

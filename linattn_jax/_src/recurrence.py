@@ -127,6 +127,8 @@ def _coefficients(read: Read, fq, lq, units, running_max, den):
   """
   if read == "per_feature":
     return safe_divide(fq, den)
+  if lq.shape[-1] == 1 and running_max.shape[-1] == 1:
+    return fq  # Scalar log-scales: the shift is exactly ℓ_q + running_max, exp(0) = 1.
   c = lax.stop_gradient(exponent_shift(jnp.max(lq + running_max, axis=-1, keepdims=True)))
   return fq * jnp.exp(lq + units - c)
 
@@ -135,7 +137,8 @@ def _finish(read: Read, num, den, eps: float):
   """``num / (den + eps)`` for a kernel read (0 where that is 0); a per-feature read is done."""
   if read == "per_feature":
     return num
-  return safe_divide(num, (den + eps)[..., None])
+  den = den + eps
+  return num / jnp.where(den == 0, 1, den)[..., None]  # No key: num = 0, so 0.
 
 
 def readout(read: Read, eps: float, carry: Carry, fq, lq) -> jax.Array:
@@ -169,7 +172,8 @@ def exact_weights(read: Read, carry: Carry, fq, lq, fk, lk, visible: jax.Array |
   k_sum = carry.k_sum[:, :, None, None]  # [B, K, 1, 1, M]
   if lk.shape[-1] == 1:  # One log-scale per key: weight = (φ(q)·φ(k)) exp(ℓ_k - m_t).
     e = e[..., 0][:, :, None]  # [B, K, 1, T|1, S]
-    den = w * k_sum + jnp.einsum("bkgts,bksm->bkgtm", e, fk)
+    # Per-feature sums: only a per-feature read needs them.
+    den = None if read == "kernel" else w * k_sum + jnp.einsum("bkgts,bksm->bkgtm", e, fk)
     coef = _coefficients(read, fq, lq, m[:, :, None], m[:, :, None], den)
     a = jnp.einsum("bkgtm,bksm->bkgts", coef, fk)
     a = jnp.where(e > 0, a * e, 0)  # Hidden keys: exact zeros, even where φ(q)·φ(k) = inf.
@@ -189,7 +193,8 @@ def _exact_block(read: Read, eps: float, carry: Carry, fq, lq, fk, lk, v,
   """Queries against the state plus keys ``visible [T, S]``, by :func:`exact_weights`."""
   a, cw, k_sum = exact_weights(read, carry, fq, lq, fk, lk, visible)
   num = jnp.einsum("bkgts,bksd->bkgtd", a, v) + jnp.einsum("bkgtm,bkmd->bkgtd", cw, carry.kv)
-  return _finish(read, num, jnp.sum(a, axis=-1) + jnp.sum(cw * k_sum, axis=-1), eps)
+  den = jnp.sum(a, axis=-1) + jnp.einsum("bkgtm,bkm->bkgt", cw, carry.k_sum)
+  return _finish(read, num, den, eps)
 
 
 def _chunk_block(read: Read, eps: float, carry: Carry, fq, lq, fk, lk, v):
@@ -413,6 +418,27 @@ def _state_fields(state_cls: type, lead: tuple[int, ...], K: int, M: int, M_log:
   return want
 
 
+def as_carry(state) -> Carry:
+  """A public state (``kv``, ``k_sum`` and, for stabilised maps, ``running_max``) as a Carry.
+
+  ``running_max`` is per key (``[..., K]``) or per feature (``[..., K, M]``, the
+  shape of ``k_sum``); a state without one (plain maps) is in units of ``exp(0)``.
+  """
+  if "running_max" not in type(state)._fields:
+    return Carry(state.kv, state.k_sum, jnp.zeros(jnp.shape(state.k_sum)[:-1] + (1,)))
+  rm = jnp.asarray(state.running_max)
+  return Carry(state.kv, state.k_sum, rm if rm.ndim == jnp.ndim(state.k_sum) else rm[..., None])
+
+
+def from_carry(carry: Carry, state_cls: type):
+  """The public ``state_cls`` holding ``carry`` (inverse of :func:`as_carry`)."""
+  fields = {"kv": carry.kv, "k_sum": carry.k_sum}
+  if "running_max" in state_cls._fields:
+    rm = carry.running_max
+    fields["running_max"] = rm[..., 0] if rm.shape[-1] == 1 else rm
+  return state_cls(**fields)
+
+
 def _to_carry(state, state_cls: type, p: checks.Prepared, M: int, M_log: int, dtype,
               fn: str) -> Carry:
   B, _, _, _, K, _, D = p.dims
@@ -420,22 +446,48 @@ def _to_carry(state, state_cls: type, p: checks.Prepared, M: int, M_log: int, dt
   state = check_state(state, state_cls, _state_fields(state_cls, lead, K, M, M_log, D), fn=fn,
                       dims=f"B={B}, K={K}, M={M}, D={D}" + ("" if p.batched else " (no B)"),
                       what="initial_state")
-  if "running_max" in state_cls._fields:
-    running_max = state.running_max if M_log > 1 else state.running_max[..., None]
-  else:  # Plain maps: the sums are in units of exp(0).
-    running_max = jnp.zeros(lead + (K, 1))
-  carry = Carry(state.kv, state.k_sum, running_max)
-  carry = jax.tree.map(lambda x: x.astype(dtype), carry)
+  carry = jax.tree.map(lambda x: jnp.asarray(x).astype(dtype), as_carry(state))
   return carry if p.batched else jax.tree.map(lambda x: x[None], carry)
 
 
 def _from_carry(carry: Carry, state_cls: type, batched: bool):
-  fields = {"kv": carry.kv, "k_sum": carry.k_sum}
-  if "running_max" in state_cls._fields:
-    rm = carry.running_max
-    fields["running_max"] = rm[..., 0] if rm.shape[-1] == 1 else rm
-  state = state_cls(**fields)
+  state = from_carry(carry, state_cls)
   return state if batched else jax.tree.map(lambda x: x[0], state)
+
+
+def combine_states(earlier: Any, later: Any) -> Any:
+  """The state of ``earlier``'s keys followed by ``later``'s, for any recurrent variant.
+
+  Associative: ``combine_states(combine_states(a, b), c) == combine_states(a,
+  combine_states(b, c))``, and combining the summaries of consecutive spans
+  equals the summary of their concatenation. Both must be states of one
+  variant with the same shapes.
+
+  Raises:
+    ValueError: for states of different types, or a field whose shapes differ.
+  """
+  cls = type(earlier)
+  if type(later) is not cls or not hasattr(cls, "_fields") or "kv" not in cls._fields:
+    raise ValueError(
+        f"combine: both states must be the same variant's state; got {cls.__name__} and "
+        f"{type(later).__name__}.")
+  for field in cls._fields:
+    a, b = jnp.shape(getattr(earlier, field)), jnp.shape(getattr(later, field))
+    if a != b:
+      raise ValueError(f"combine: {cls.__name__}.{field} has shapes {a} and {b}.")
+  return from_carry(combine(as_carry(earlier), as_carry(later)), cls)
+
+
+def summarize_keys(attention: Callable[..., Any], key: Any, value: Any, **options) -> Any:
+  """The state of ``key [B, S, K, H]`` / ``value [B, S, K, D]`` under ``attention``.
+
+  A causal pass of one query (bottom-right aligned, it sees every key) from
+  no state, with ``return_state``: the same state a prefill leaves.
+  """
+  key = jnp.asarray(key)
+  query = jnp.zeros(key.shape[:-3] + (1,) + key.shape[-2:], key.dtype)
+  _, state = attention(query, key, value, is_causal=True, return_state=True, **options)
+  return state
 
 
 def recurrent_attention(

@@ -29,7 +29,11 @@ class AttentionFn(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class StreamingSpec:
-  """How a variant runs one token at a time (causal decoding).
+  """How a variant runs one token at a time (causal decoding): its state protocol.
+
+  Every streaming variant's public function also takes ``is_causal=True,
+  return_state=True`` on a prompt: the state it returns continues with
+  ``step`` exactly as one causal pass over the whole sequence would.
 
   Attributes:
     init: ``init(query, key, value, **options) -> state``: an empty state for
@@ -37,16 +41,24 @@ class StreamingSpec:
       ``[B, S, K, D]`` inputs.
     step: ``step(state, query, key, value, **options) -> (state, out)`` for one
       token: ``[B, N, H]``, ``[B, K, H]``, ``[B, K, D]`` in, ``[B, N, D]`` out.
-    state_passing: whether the public function takes ``initial_state=`` and
-      ``return_state=True`` (then splitting a sequence anywhere and carrying
-      the state must equal one pass).
+    state_passing: whether the public function takes ``initial_state=``
+      (then splitting a sequence anywhere and carrying the state must equal
+      one pass).
+    summarize: for recurrent variants, ``summarize(key, value, *,
+      key_value_seq_lengths=None, **options) -> state``: the state of these
+      ``[B, S, K, H]`` / ``[B, S, K, D]`` keys and values (None: not recurrent).
+    combine: with ``summarize``, ``combine(earlier, later) -> state``, the
+      state of ``earlier``'s keys followed by ``later``'s; associative, so that
+      summaries of spans (chunks, devices) combine into the summary of all.
 
-  Options are filtered by name to those ``init`` / ``step`` accept.
+  Options are filtered by name to those each function accepts.
   """
 
   init: Callable[..., Any]
   step: Callable[..., Any]
   state_passing: bool = True
+  summarize: Callable[..., Any] | None = None
+  combine: Callable[..., Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

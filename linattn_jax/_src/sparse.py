@@ -113,7 +113,8 @@ def _window_pass(T: int, S: int, Q: int, left: int, right: int) -> tuple[np.ndar
 # --------------------------------------------------------------- local ---
 
 
-@checks.compiled("window_size", "is_causal", "scale", "implementation", "block_size")
+@checks.compiled("window_size", "is_causal", "scale", "implementation", "block_size",
+                 "return_state")
 def local_attention(
     query: ArrayLike,
     key: ArrayLike,
@@ -125,7 +126,8 @@ def local_attention(
     key_value_seq_lengths: Any = None,
     implementation: SparseImplementation | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
-) -> jax.Array:
+    return_state: bool = False,
+) -> jax.Array | tuple[jax.Array, LocalState]:
   """Sliding-window softmax attention in O(T·w).
 
   Query i attends to keys ``i - left .. i + right`` (positions aligned
@@ -142,16 +144,26 @@ def local_attention(
     implementation: ``"blocked"`` (default) or ``"reference"``.
     block_size: query rows per gathered block; each block gathers
       ``block_size + left + right`` keys.
+    return_state: also return the :class:`LocalState` after the S keys (the
+      last ``left + 1`` keys and values), from which
+      :func:`local_attention_step` decodes on (causal only; every key counts,
+      so not with ``key_value_seq_lengths``).
 
   Returns:
     ``[B, T, N, D]`` in the input dtype; rows with no visible key are zero.
+    With ``return_state``, ``(out, state)``.
 
   Raises:
-    ValueError: negative or malformed windows, bad block sizes, bad shapes.
+    ValueError: negative or malformed windows, bad block sizes, bad shapes,
+      ``return_state`` without ``is_causal`` or with ``key_value_seq_lengths``.
   """
   fn = "local_attention"
   left, right = masks_lib.normalize_window(window_size, fn=fn)
   right = 0 if is_causal else right
+  if return_state and (not is_causal or key_value_seq_lengths is not None):
+    raise ValueError(
+        f"{fn}: return_state needs is_causal=True and no key_value_seq_lengths (the state is "
+        "the decoding window after all S keys).")
 
   def pattern(T: int, S: int) -> _Pattern:
     rows, keys = _window_pass(T, S, _block(block_size, T, fn), left, right)
@@ -159,8 +171,23 @@ def local_attention(
     rule = lambda q, k: masks_lib.local_predicate(q, k, T, S, left, right)  # noqa: E731
     return _Pattern(lambda: masks_lib.local(T, S, (left, right)), (_Pass(plan, rule),))
 
-  return _run(fn, query, key, value, implementation=implementation, is_causal=is_causal,
-              scale=scale, key_value_seq_lengths=key_value_seq_lengths, pattern=pattern)
+  out = _run(fn, query, key, value, implementation=implementation, is_causal=is_causal,
+             scale=scale, key_value_seq_lengths=key_value_seq_lengths, pattern=pattern)
+  return (out, _window_state(key, value, left)) if return_state else out
+
+
+def _window_state(key: Any, value: Any, left: int) -> LocalState:
+  """The ring buffer after keys 0..S-1: slot s holds the last position p < S with p % W = s."""
+  key, value = jnp.asarray(key), jnp.asarray(value)
+  batched = key.ndim == 4
+  key, value = (x if batched else x[None] for x in (key, value))
+  S, W = key.shape[1], left + 1
+  positions = S - 1 - (S - 1 - np.arange(W)) % W
+  filled = (positions >= 0)[None, :, None, None]
+  keys, values = (jnp.where(filled, x[:, np.maximum(positions, 0)], 0) for x in (key, value))
+  if not batched:
+    keys, values = keys[0], values[0]
+  return LocalState(keys, values, jnp.asarray(S, jnp.int32))
 
 
 class LocalState(NamedTuple):
