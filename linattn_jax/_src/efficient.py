@@ -46,7 +46,7 @@ from jax.typing import ArrayLike
 from linattn_jax._src import checks, recurrence
 from linattn_jax._src.masks import causal_predicate, length_predicate
 from linattn_jax._src.online_softmax import exponent_shift, safe_divide
-from linattn_jax._src.recurrence import DEFAULT_CHUNK_SIZE
+from linattn_jax._src.recurrence import DEFAULT_PER_FEATURE_CHUNK_SIZE as DEFAULT_CHUNK_SIZE
 from linattn_jax._src.registry import AttentionSpec, StreamingSpec, register_attention
 
 EfficientImplementation = Literal["reference", "parallel", "scan", "chunked"]

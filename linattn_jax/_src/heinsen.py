@@ -53,7 +53,7 @@ from linattn_jax._src import checks, recurrence
 from linattn_jax._src import masks as masks_lib
 from linattn_jax._src.blocks import merge_blocks, pad_axis, split_blocks
 from linattn_jax._src.online_softmax import exponent_shift
-from linattn_jax._src.recurrence import DEFAULT_CHUNK_SIZE
+from linattn_jax._src.recurrence import DEFAULT_PER_FEATURE_CHUNK_SIZE as DEFAULT_CHUNK_SIZE
 from linattn_jax._src.registry import AttentionSpec, StreamingSpec, register_attention
 
 HeinsenImplementation = Literal["reference", "parallel", "scan", "associative_scan", "chunked"]
