@@ -98,8 +98,8 @@ def kernel_weights(query: Any, key: Any, *, featurizer: recurrence.Featurizer, p
   visible = causal(fq.shape[3], fk.shape[2]) if is_causal else None
   B, T, S, N, K, _, _ = p.dims
   empty = recurrence.empty_carry(B, K, fk.shape[-1], lk.shape[-1], 1, dtype)
-  w, _, _ = recurrence.exact_weights("kernel", empty, fq, lq, fk, lk, visible)
-  magnitudes, _, _ = recurrence.exact_weights(
+  w, _ = recurrence.exact_weights("kernel", empty, fq, lq, fk, lk, visible)
+  magnitudes, _ = recurrence.exact_weights(
       "kernel", empty, jnp.abs(fq), lq, jnp.abs(fk), lk, visible)
   w, magnitudes = (x.reshape(B, N, T, S) for x in (w, magnitudes))  # Head n = k·G + g.
   out = ImpliedWeights(w, magnitudes, jnp.sum(w, axis=-1) + eps)

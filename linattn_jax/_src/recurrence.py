@@ -157,12 +157,12 @@ def readout(read: Read, eps: float, carry: Carry, fq, lq) -> jax.Array:
 
 
 def exact_weights(read: Read, carry: Carry, fq, lq, fk, lk, visible: jax.Array | None):
-  """Each query's weights in the units of its own running max: ``(a, cw, k_sum)``.
+  """Each query's weights in the units of its own running max: ``(a, cw)``.
 
   ``a [B, K, G, T, S]`` weighs the keys (exact zeros where ``visible [T, S]``
   hides them; None: all visible) and ``cw [B, K, G, T, M]`` the state's
   features, so that ``num = a v + cw kv`` and, for a kernel read,
-  ``den = Σ_j a + cw·k_sum`` (``k_sum`` returned broadcastable to ``cw``).
+  ``den = Σ_j a + cw·k_sum``.
   Per-feature log-scales form ``[T, S, M]`` exponentials: use on chunks.
   """
   lk = lk[:, :, None]  # [B, K, 1, S, M']
@@ -176,8 +176,7 @@ def exact_weights(read: Read, carry: Carry, fq, lq, fk, lk, visible: jax.Array |
   k_sum = carry.k_sum[:, :, None, None]  # [B, K, 1, 1, M]
   if lk.shape[-1] == 1:  # One log-scale per key: weight = (φ(q)·φ(k)) exp(ℓ_k - m_t).
     e = e[..., 0][:, :, None]  # [B, K, 1, T|1, S]
-    # Per-feature sums: only a per-feature read needs them.
-    den = None if read == "kernel" else w * k_sum + jnp.einsum("bkgts,bksm->bkgtm", e, fk)
+    den = w * k_sum + jnp.einsum("bkgts,bksm->bkgtm", e, fk)  # Unused (dropped) by kernel reads.
     coef = _coefficients(read, fq, lq, m[:, :, None], m[:, :, None], den)
     a = jnp.einsum("bkgtm,bksm->bkgts", coef, fk)
     a = jnp.where(e > 0, a * e, 0)  # Hidden keys: exact zeros, even where φ(q)·φ(k) = inf.
@@ -189,13 +188,13 @@ def exact_weights(read: Read, carry: Carry, fq, lq, fk, lk, visible: jax.Array |
       a = jnp.einsum("bkgtm,bksm->bkgts", coef, p[:, :, 0])
     else:
       a = jnp.einsum("bkgtm,bktsm->bkgts", coef, p)
-  return a, coef * w, k_sum
+  return a, coef * w
 
 
 def _exact_block(read: Read, eps: float, carry: Carry, fq, lq, fk, lk, v,
                  visible: jax.Array | None) -> jax.Array:
   """Queries against the state plus keys ``visible [T, S]``, by :func:`exact_weights`."""
-  a, cw, k_sum = exact_weights(read, carry, fq, lq, fk, lk, visible)
+  a, cw = exact_weights(read, carry, fq, lq, fk, lk, visible)
   num = jnp.einsum("bkgts,bksd->bkgtd", a, v) + jnp.einsum("bkgtm,bkmd->bkgtd", cw, carry.kv)
   den = jnp.sum(a, axis=-1) + jnp.einsum("bkgtm,bkm->bkgt", cw, carry.k_sum)
   return _finish(read, num, den, eps)
