@@ -5,6 +5,7 @@ for keys and values, as in ``jax.nn.dot_product_attention``.
 """
 
 from linattn_jax import feature_maps, masks
+from linattn_jax._src.dense import softmax_attention_reference
 from linattn_jax._src.efficient import (
     EfficientState,
     efficient_attention,
@@ -44,7 +45,7 @@ from linattn_jax._src.registry import (
     get_spec,
     register_attention,
 )
-from linattn_jax._src.softmax import softmax_attention, softmax_attention_reference
+from linattn_jax._src.softmax import softmax_attention
 from linattn_jax._src.sparse import (
     LocalState,
     bigbird_attention,

@@ -6,6 +6,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from _helpers import CompileCounter
 
@@ -23,13 +24,16 @@ COMPILED = {
     "local_attention": dict(window_size=[2, 0]),  # A list: made a hashable static option.
     "strided_attention": dict(stride=2),
     "longformer_attention": dict(window_size=1, global_positions=[0]),
+    # A numpy layout and a PRNG key: hashed by value as static options.
+    "block_sparse_attention": dict(layout=np.tril(np.ones((4, 4), bool)), block_size=2),
+    "bigbird_attention": dict(block_size=2, num_window_blocks=1, num_global_blocks=1,
+                              num_random_blocks=1, rng=jax.random.key(3)),
 }
 
 
 @pytest.mark.parametrize("name", COMPILED)
 def test_public_functions_run_one_compiled_program_when_called_eagerly(name):
-  """Eager calls run compiled code, not op by op (block_sparse's numpy layouts
-  and bigbird's PRNG keys are not yet hashable options, so those two still do)."""
+  """Eager calls run compiled code, not op by op."""
   fn = functools.partial(getattr(la, name), is_causal=True, **COMPILED[name])
   q1 = jnp.ones((1, 8, 2, 4))
   q2 = 2 * q1  # Same shape and dtype (not weakly typed), other values.
@@ -39,3 +43,25 @@ def test_public_functions_run_one_compiled_program_when_called_eagerly(name):
     fn(q1, q1, q1).block_until_ready()
     fn(q2, q1, q1).block_until_ready()
   assert compiles.count <= 1
+
+
+def test_array_options_are_static_by_value():
+  """Equal layouts and keys share a program; a different one is a different pattern."""
+  q = jnp.asarray(np.random.default_rng(0).normal(size=(1, 8, 2, 4)), jnp.float32)
+  layout = np.tril(np.ones((4, 4), bool))
+  run = lambda layout: la.block_sparse_attention(q, q, q, layout=layout, block_size=2)  # noqa: E731
+  first = run(layout)
+  with CompileCounter() as compiles:
+    again = run(layout.copy())
+  assert compiles.count == 0
+  np.testing.assert_array_equal(again, first)
+  other = run(np.eye(4, dtype=bool))
+  np.testing.assert_allclose(other, la.block_sparse_attention(
+      q, q, q, layout=np.eye(4, dtype=bool), block_size=2, implementation="reference"),
+      rtol=1e-5, atol=1e-6)
+  assert not np.allclose(other, first)
+  options = dict(block_size=2, num_window_blocks=1, num_global_blocks=1, num_random_blocks=1)
+  by_key = la.bigbird_attention(q, q, q, rng=jax.random.key(5), **options)
+  by_ref = la.bigbird_attention(q, q, q, rng=jax.random.key(5), implementation="reference",
+                                **options)
+  np.testing.assert_allclose(by_key, by_ref, rtol=1e-5, atol=1e-6)

@@ -10,6 +10,7 @@ K key/value heads (G = N // K), H query/key head dim, D value head dim.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable, Sequence
@@ -231,7 +232,48 @@ def _static_option(value: Any, *, name: str, fn: str) -> Any:
   _reject_traced(value, name=name, fn=fn)
   if isinstance(value, list | tuple):
     return tuple(_static_option(x, name=name, fn=fn) for x in value)
+  if isinstance(value, np.ndarray | jax.Array):
+    return StaticArray.of(value)
   return value
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StaticArray:
+  """A concrete array given as a static option (a block layout, a PRNG key).
+
+  Hashed and compared by value, so equal patterns share one compiled
+  program; ``np.asarray`` gives the array back. A typed PRNG key is held as
+  its ``jax.random.key_data``.
+  """
+
+  array: np.ndarray
+
+  @classmethod
+  def of(cls, value: np.ndarray | jax.Array) -> StaticArray:
+    if jnp.issubdtype(value.dtype, jax.dtypes.prng_key):
+      with jax.ensure_compile_time_eval():  # A concrete key, also inside a trace.
+        value = jax.random.key_data(value)
+    array = np.array(value)  # A private copy, so later edits of `value` cannot alias.
+    array.flags.writeable = False
+    return cls(array)
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return self.array.shape
+
+  @property
+  def dtype(self) -> np.dtype:
+    return self.array.dtype
+
+  def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+    return self.array if dtype is None else self.array.astype(dtype)
+
+  def __hash__(self) -> int:
+    return hash((self.array.shape, self.array.dtype.str, self.array.tobytes()))
+
+  def __eq__(self, other: object) -> bool:
+    return (isinstance(other, StaticArray) and self.array.dtype == other.array.dtype
+            and np.array_equal(self.array, other.array))
 
 
 def check_positive_int(value: Any, *, name: str, fn: str) -> int:

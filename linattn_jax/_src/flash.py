@@ -35,12 +35,14 @@ from jax.typing import ArrayLike
 
 from linattn_jax._src import checks
 from linattn_jax._src.blocks import merge_blocks, num_blocks, pad_axis, split_blocks
+from linattn_jax._src.dense import softmax_attention_reference
 from linattn_jax._src.masks import causal_predicate, length_predicate
 from linattn_jax._src.online_softmax import (
   init_softmax_carry,
   online_softmax_finish,
   online_softmax_update,
 )
+from linattn_jax._src.registry import AttentionSpec, register_attention
 
 DEFAULT_BLOCK_Q = 512
 DEFAULT_BLOCK_K = 512
@@ -284,3 +286,12 @@ def flash_attention(
       **lengths,
   )
   return p.restore(out)
+
+
+register_attention(AttentionSpec(
+    name="flash",
+    function=flash_attention,
+    reference=softmax_attention_reference,
+    how_options=frozenset({"block_q", "block_k"}),
+    test_options={"block_q": 4, "block_k": 8},
+))

@@ -36,9 +36,10 @@ from jax.typing import ArrayLike
 
 from linattn_jax._src import checks
 from linattn_jax._src import masks as masks_lib
+from linattn_jax._src.dense import softmax_attention_reference
 from linattn_jax._src.gather import Plan, attend, dedupe, tile_rows
 from linattn_jax._src.registry import AttentionSpec, StreamingSpec, register_attention
-from linattn_jax._src.softmax import softmax_attention, softmax_attention_reference
+from linattn_jax._src.softmax import softmax_attention
 
 SparseImplementation = Literal["reference", "blocked"]
 IMPLEMENTATIONS: tuple[str, ...] = typing.get_args(SparseImplementation)
@@ -343,6 +344,7 @@ def _check_layout(layout: Any, T: int, S: int, bs: int, fn: str) -> np.ndarray:
   return layout.astype(bool).reshape((-1,) + want)
 
 
+@checks.compiled("layout", "block_size", "is_causal", "scale", "implementation")
 def block_sparse_attention(
     query: ArrayLike,
     key: ArrayLike,
@@ -452,6 +454,8 @@ def longformer_attention(
 # -------------------------------------------------------------- bigbird ---
 
 
+@checks.compiled("block_size", "num_window_blocks", "num_global_blocks", "num_random_blocks",
+                 "rng", "is_causal", "scale", "implementation")
 def bigbird_attention(
     query: ArrayLike,
     key: ArrayLike,
