@@ -53,8 +53,8 @@ _IMPLEMENTATIONS = flags.DEFINE_list(
     "For variants with several `implementation=` values: which to run. "
     "Default: all but 'reference'.")
 _LENGTHS = flags.DEFINE_list("lengths", ["256", "512", "1024"], "Sequence lengths T (= S).")
-_BATCH = flags.DEFINE_integer("batch", 1, "Batch size B.")
-_KV_HEADS = flags.DEFINE_integer("kv_heads", None, "Key/value heads K (default: --heads).")
+_BATCH = common.BATCH
+_KV_HEADS = common.KV_HEADS
 _DTYPE = flags.DEFINE_enum(
     "dtype", "float32", ["float32", "bfloat16", "float16"], "Dtype of q, k, v.")
 _MODES = flags.DEFINE_list(
@@ -62,7 +62,7 @@ _MODES = flags.DEFINE_list(
     "forward, backward (forward + gradients w.r.t. q, k, v) and/or step (time per token of "
     "streaming decode steps at position T, after a prefill of T tokens; streaming variants "
     "only).")
-_REPEATS = flags.DEFINE_integer("repeats", 5, "Timed calls per case.")
+_REPEATS = common.REPEATS
 _WARMUP = flags.DEFINE_integer("warmup", 1, "Untimed calls before timing.")
 _MAX_MEMORY_FRACTION = flags.DEFINE_float(
     "max_memory_fraction", 0.7,

@@ -15,6 +15,9 @@ from absl import flags
 HEADS = flags.DEFINE_integer("heads", 8, "Query heads N.")
 HEAD_DIM = flags.DEFINE_integer("head_dim", 64, "Query/key head dim H.")
 VALUE_DIM = flags.DEFINE_integer("value_dim", None, "Value head dim D (default: --head_dim).")
+KV_HEADS = flags.DEFINE_integer("kv_heads", None, "Key/value heads K (default: --heads).")
+BATCH = flags.DEFINE_integer("batch", 1, "Batch size B.")
+REPEATS = flags.DEFINE_integer("repeats", 5, "Timed calls per case; medians are reported.")
 CAUSAL = flags.DEFINE_bool("causal", True, "Pass is_causal=True.")
 OUTPUT_DIR = flags.DEFINE_string(
     "output_dir", None, "Where the JSON and plots go (default: results/<script name>).")

@@ -78,7 +78,7 @@ def _run_script(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_help_lists_the_shared_flags_too():
-  for script in ("experiments.benchmark", "experiments.approximation"):
+  for script in ("experiments.benchmark", "experiments.approximation", "experiments.decode"):
     result = _run_script(script, "--help")  # absl exits with status 1 after --help.
     for flag in ("--output_dir", "--heads", "--[no]plot"):
       assert flag in result.stdout, f"{script} --help omits {flag}"
@@ -105,3 +105,17 @@ def test_step_mode_rejects_variants_without_a_step():
       options={}, matmul_baseline=True)
   with pytest.raises(app.UsageError, match=r"--modes=step: \['softmax'\] have no streaming step"):
     benchmark._validate(config)
+
+
+def test_decode_benchmark_runs_and_reports_cache_bytes(tmp_path):
+  result = _run_script(
+      "experiments.decode", "--attentions=softmax,local,linear_elu", "--positions=8,32",
+      "--heads=2", "--head_dim=4", "--steps=2", "--repeats=1", "--noplot",
+      f"--output_dir={tmp_path}")
+  assert result.returncode == 0, result.stderr[-2000:]
+  records = json.loads((tmp_path / "decode.json").read_text())["records"]
+  by = {(r["attention"], r["position"]): r for r in records}
+  assert all(r["status"] == "ok" and r["step_s"] > 0 for r in records)
+  # A KV cache (capacity P + steps) grows with P; a recurrent state does not.
+  assert by["softmax", 32]["cache_bytes"] > by["softmax", 8]["cache_bytes"]
+  assert by["linear_elu", 32]["cache_bytes"] == by["linear_elu", 8]["cache_bytes"]

@@ -23,3 +23,10 @@ def test_quick_start_runs():
   namespace: dict = {}
   exec(compile(_blocks("python")[0], "README quick start", "exec"), namespace)  # noqa: S102
   assert namespace["out"].shape == (2, 1024, 8, 64)
+
+
+def test_layers_example_runs():
+  namespace: dict = {}
+  exec(compile(_blocks("python")[1], "README layers", "exec"), namespace)  # noqa: S102
+  assert namespace["y"].shape == (2, 64, 128)
+  assert [s.shape for s in namespace["steps"]] == [(2, 1, 128)] * 4

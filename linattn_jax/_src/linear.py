@@ -51,10 +51,15 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from linattn_jax._src import checks, recurrence
-from linattn_jax._src.feature_maps import FeatureMap, elu_plus_one, relu
+from linattn_jax._src.feature_maps import FeatureMap, elu_plus_one, projected, relu
 from linattn_jax._src.masks import causal
 from linattn_jax._src.recurrence import DEFAULT_CHUNK_SIZE, DEFAULT_EPS
-from linattn_jax._src.registry import AttentionSpec, StreamingSpec, register_attention
+from linattn_jax._src.registry import (
+    AttentionSpec,
+    ParamSpec,
+    StreamingSpec,
+    register_attention,
+)
 
 LinearImplementation = Literal["reference", "parallel", "scan", "associative_scan", "chunked"]
 IMPLEMENTATIONS: tuple[str, ...] = typing.get_args(LinearImplementation)
@@ -323,3 +328,112 @@ def _register(name: str, feature_map: FeatureMap,
 # (ReLU: zero features, eps-only denominators).
 _register("linear_elu", elu_plus_one, suite_implementations=("parallel", "chunked"))
 _register("linear_relu", relu, suite_implementations=("parallel", "chunked"))
+
+
+# "linear_learned": the learnable map elu(x W + b) + 1, its weights as array options ----
+
+
+def _init_learned(rng: jax.Array, head_dim: int, *,
+                  num_features: int | None = None) -> dict[str, jax.Array]:
+  """The registry's ``params.init``: ``feature_weight [H, M] ~ N(0, 1/H)``,
+  ``feature_bias [M] = 0``.
+
+  M defaults to H; with this scale ``x W`` has the variance of one entry of x.
+  """
+  M = head_dim if num_features is None else checks.check_positive_int(
+      num_features, name="num_features", fn="linear_learned")
+  weight = jax.random.normal(rng, (head_dim, M), jnp.float32) / np.sqrt(head_dim)
+  return {"feature_weight": weight, "feature_bias": jnp.zeros((M,), jnp.float32)}
+
+
+def _learned_map(rng: Any, num_features: int | None, weight: Any, bias: Any, head_dim: int,
+                 fn: str) -> FeatureMap:
+  """``projected(feature_weight, feature_bias)``, or, when both are None, one drawn
+  from ``rng`` (None: seed 0)."""
+  if weight is None and bias is None:
+    if rng is None or (isinstance(rng, int) and not isinstance(rng, bool)):
+      rng = jax.random.key(0 if rng is None else rng)
+    return projected(*_init_learned(rng, head_dim, num_features=num_features).values())
+  if weight is None or bias is None or rng is not None:
+    raise ValueError(f"{fn}: give both `feature_weight` and `feature_bias`, or neither (then "
+                     "they are drawn from `rng`); not `rng` with them.")
+  if num_features is not None and jnp.shape(weight)[-1:] != (num_features,):
+    raise ValueError(f"{fn}: num_features={num_features} disagrees with feature_weight "
+                     f"{jnp.shape(weight)} ([H, M]); give one of them.")
+  return projected(weight, bias)
+
+
+def _linear_learned(
+    query: ArrayLike, key: ArrayLike, value: ArrayLike, *, feature_weight: Any = None,
+    feature_bias: Any = None, rng: Any = None, num_features: int | None = None,
+    is_causal: bool = False, key_value_seq_lengths: Any = None, eps: float = DEFAULT_EPS,
+    implementation: LinearImplementation | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE,
+    initial_state: LinearState | None = None, return_state: bool = False,
+):
+  """:func:`linear_attention` with ``feature_map=projected(feature_weight, feature_bias)``."""
+  phi = _learned_map(rng, num_features, feature_weight, feature_bias, jnp.shape(query)[-1],
+                     "linear_attention")
+  return linear_attention(query, key, value, feature_map=phi, is_causal=is_causal,
+                          key_value_seq_lengths=key_value_seq_lengths, eps=eps,
+                          implementation=implementation, chunk_size=chunk_size,
+                          initial_state=initial_state, return_state=return_state)
+
+
+def _linear_learned_reference(query, key, value, *, feature_weight: Any = None,
+                              feature_bias: Any = None, rng: Any = None,
+                              num_features: int | None = None, is_causal: bool = False,
+                              key_value_seq_lengths: Any = None, eps: float = DEFAULT_EPS):
+  phi = _learned_map(rng, num_features, feature_weight, feature_bias, jnp.shape(query)[-1],
+                     "linear_attention_reference")
+  return linear_attention_reference(query, key, value, feature_map=phi, is_causal=is_causal,
+                                    key_value_seq_lengths=key_value_seq_lengths, eps=eps)
+
+
+def _learned_init_like(query, key, value, *, feature_weight: Any = None,
+                       feature_bias: Any = None, rng: Any = None,
+                       num_features: int | None = None) -> LinearState:
+  phi = _learned_map(rng, num_features, feature_weight, feature_bias, jnp.shape(query)[-1],
+                     "init_linear_state")
+  return _init_like(query, key, value, feature_map=phi)
+
+
+def _learned_step(state, query, key, value, *, feature_weight: Any = None,
+                  feature_bias: Any = None, rng: Any = None, num_features: int | None = None,
+                  eps: float = DEFAULT_EPS):
+  phi = _learned_map(rng, num_features, feature_weight, feature_bias, jnp.shape(query)[-1],
+                     "linear_attention_step")
+  return linear_attention_step(state, query, key, value, feature_map=phi, eps=eps)
+
+
+def _learned_summarize(key, value, *, feature_weight: Any = None, feature_bias: Any = None,
+                       rng: Any = None, num_features: int | None = None,
+                       key_value_seq_lengths: Any = None):
+  phi = _learned_map(rng, num_features, feature_weight, feature_bias, jnp.shape(key)[-1],
+                     "linear_attention")
+  return _summarize(key, value, feature_map=phi, key_value_seq_lengths=key_value_seq_lengths)
+
+
+def _learned_weights(query, key, *, feature_weight: Any = None, feature_bias: Any = None,
+                     rng: Any = None, num_features: int | None = None, is_causal: bool = False,
+                     key_value_seq_lengths: Any = None, eps: float = DEFAULT_EPS):
+  phi = _learned_map(rng, num_features, feature_weight, feature_bias, jnp.shape(query)[-1],
+                     "linear_attention")
+  return _weights(query, key, feature_map=phi, is_causal=is_causal,
+                  key_value_seq_lengths=key_value_seq_lengths, eps=eps)
+
+
+register_attention(AttentionSpec(
+    name="linear_learned",
+    function=_linear_learned,
+    reference=_linear_learned_reference,
+    how_options=frozenset({"implementation", "chunk_size"}),
+    implementations=IMPLEMENTATIONS,
+    suite_implementations=("parallel", "chunked"),
+    noncausal_only=frozenset({"parallel"}),
+    test_options={"chunk_size": 4, "num_features": 6},
+    streaming=StreamingSpec(init=_learned_init_like, step=_learned_step,
+                            summarize=_learned_summarize, combine=recurrence.combine_states),
+    weights=_learned_weights,
+    params=ParamSpec(init=_init_learned, names=("feature_weight", "feature_bias"),
+                     trainable=True),
+))

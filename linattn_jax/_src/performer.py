@@ -50,7 +50,12 @@ from linattn_jax._src.linear import (
     kernel_weights,
 )
 from linattn_jax._src.recurrence import DEFAULT_CHUNK_SIZE, DEFAULT_EPS
-from linattn_jax._src.registry import AttentionSpec, StreamingSpec, register_attention
+from linattn_jax._src.registry import (
+    AttentionSpec,
+    ParamSpec,
+    StreamingSpec,
+    register_attention,
+)
 
 KERNELS = {"positive": favor_plus, "trig": random_fourier}
 DEFAULT_NUM_FEATURES = 256
@@ -210,14 +215,35 @@ def performer_attention_step(
                                    projection=projection, kernel=kernel, eps=eps)
 
 
-# Registry: the projection drawn from a hashable seed ------------------------------
+# Registry: the projection as an array option, or drawn from a seed -------------
 
 
-def _projection(rng: Any, num_features: int, head_dim: int) -> jax.Array:
-  """Orthogonal ``[M, H]`` features from an int seed or a PRNG key."""
-  if isinstance(rng, int) and not isinstance(rng, bool):
-    rng = jax.random.key(rng)
-  return orthogonal_random_projection(rng, num_features, head_dim)
+def _init_params(rng: jax.Array, head_dim: int, *,
+                 num_features: int | None = None) -> dict[str, jax.Array]:
+  """The registry's ``params.init``: ``{"projection": [M, H]}``, orthogonal features."""
+  M = DEFAULT_NUM_FEATURES if num_features is None else num_features
+  return {"projection": orthogonal_random_projection(rng, M, head_dim)}
+
+
+def _projection(rng: Any, num_features: int | None, projection: Any, head_dim: int,
+                fn: str) -> jax.Array:
+  """``projection`` if given (then ``rng`` must not be), else drawn from ``rng``.
+
+  ``rng`` is an int seed (hashable: a static-safe registry option) or a PRNG
+  key; None means seed 0.
+  """
+  if projection is None:
+    if rng is None or (isinstance(rng, int) and not isinstance(rng, bool)):
+      rng = jax.random.key(0 if rng is None else rng)
+    return _init_params(rng, head_dim, num_features=num_features)["projection"]
+  if rng is not None:
+    raise ValueError(f"{fn}: give `rng` (a seed to draw the projection from) or `projection`, "
+                     "not both.")
+  projection = jnp.asarray(projection)
+  if num_features is not None and projection.shape[:1] != (num_features,):
+    raise ValueError(f"{fn}: num_features={num_features} disagrees with projection "
+                     f"{projection.shape} ([M, H]); give one of them.")
+  return projection
 
 
 def _performer_by_seed(
@@ -225,8 +251,9 @@ def _performer_by_seed(
     key: ArrayLike,
     value: ArrayLike,
     *,
-    rng: Any = 0,
-    num_features: int = DEFAULT_NUM_FEATURES,
+    rng: Any = None,
+    num_features: int | None = None,
+    projection: Any = None,
     kernel: str = "positive",
     is_causal: bool = False,
     key_value_seq_lengths: Any = None,
@@ -236,12 +263,13 @@ def _performer_by_seed(
     initial_state: PerformerState | None = None,
     return_state: bool = False,
 ):
-  """:func:`performer_attention` with ``orthogonal_random_projection(rng, M, H)``.
-
-  ``rng`` is an int seed (hashable: a static-safe registry option) or a PRNG
-  key; redraw by changing it.
+  """:func:`performer_attention` with ``projection``, or with
+  ``orthogonal_random_projection(rng, num_features, H)`` when it is left out
+  (``rng`` None: seed 0; ``num_features`` None: 256). Redraw by changing
+  ``rng`` or passing a new projection.
   """
-  projection = _projection(rng, num_features, jnp.shape(query)[-1])
+  projection = _projection(rng, num_features, projection, jnp.shape(query)[-1],
+                           "performer_attention")
   return performer_attention(
       query, key, value, projection=projection, is_causal=is_causal,
       key_value_seq_lengths=key_value_seq_lengths, kernel=kernel, eps=eps,
@@ -250,40 +278,45 @@ def _performer_by_seed(
   )
 
 
-def _init_by_seed(query, key, value, *, num_features: int = DEFAULT_NUM_FEATURES,
+def _init_by_seed(query, key, value, *, num_features: int | None = None, projection: Any = None,
                   kernel: str = "positive") -> PerformerState:
   p = checks.prepare_qkv(query, key, value, fn="init_performer_state")
   B, _, _, _, K, H, D = p.dims
-  phi = KERNELS[_check_kernel(kernel, "init_performer_state")](jnp.zeros((num_features, H)))
+  if projection is not None:
+    num_features = jnp.shape(projection)[0]
+  M = DEFAULT_NUM_FEATURES if num_features is None else num_features
+  phi = KERNELS[_check_kernel(kernel, "init_performer_state")](jnp.zeros((M, H)))
   dtype = checks.accumulation_dtype(p.query.dtype)
   return init_performer_state(B, K, feature_dim(phi, H, dtype), D, dtype)
 
 
-def _step_by_seed(state, query, key, value, *, rng: Any = 0,
-                  num_features: int = DEFAULT_NUM_FEATURES, kernel: str = "positive",
-                  eps: float = DEFAULT_EPS):
-  projection = _projection(rng, num_features, jnp.shape(query)[-1])
+def _step_by_seed(state, query, key, value, *, rng: Any = None,
+                  num_features: int | None = None, projection: Any = None,
+                  kernel: str = "positive", eps: float = DEFAULT_EPS):
+  projection = _projection(rng, num_features, projection, jnp.shape(query)[-1],
+                           "performer_attention_step")
   return performer_attention_step(state, query, key, value, projection=projection,
                                   kernel=kernel, eps=eps)
 
 
-def _summarize_by_seed(key, value, *, rng: Any = 0, num_features: int = DEFAULT_NUM_FEATURES,
-                       kernel: str = "positive", key_value_seq_lengths: Any = None):
+def _summarize_by_seed(key, value, *, rng: Any = None, num_features: int | None = None,
+                       projection: Any = None, kernel: str = "positive",
+                       key_value_seq_lengths: Any = None):
   """The :class:`PerformerState` of ``key`` / ``value`` (the registry's ``summarize``)."""
   return recurrence.summarize_keys(
-      _performer_by_seed, key, value, rng=rng, num_features=num_features, kernel=kernel,
-      key_value_seq_lengths=key_value_seq_lengths)
+      _performer_by_seed, key, value, rng=rng, num_features=num_features, projection=projection,
+      kernel=kernel, key_value_seq_lengths=key_value_seq_lengths)
 
 
-def _weights_by_seed(query, key, *, rng: Any = 0, num_features: int = DEFAULT_NUM_FEATURES,
-                     kernel: str = "positive", is_causal: bool = False,
+def _weights_by_seed(query, key, *, rng: Any = None, num_features: int | None = None,
+                     projection: Any = None, kernel: str = "positive", is_causal: bool = False,
                      key_value_seq_lengths: Any = None, eps: float = DEFAULT_EPS) -> ImpliedWeights:
   """:func:`kernel_weights` of :func:`_performer_by_seed` (the registry's ``weights``)."""
   fn = "performer_attention"
   return kernel_weights(
       query, key, featurizer=_LogScaled(_check_kernel(kernel, fn)),
-      params=_projection(rng, num_features, jnp.shape(query)[-1]), is_causal=is_causal,
-      key_value_seq_lengths=key_value_seq_lengths, eps=eps, fn=fn)
+      params=_projection(rng, num_features, projection, jnp.shape(query)[-1], fn),
+      is_causal=is_causal, key_value_seq_lengths=key_value_seq_lengths, eps=eps, fn=fn)
 
 
 def _register(name: str, kernel: str, num_features: int,
@@ -303,6 +336,7 @@ def _register(name: str, kernel: str, num_features: int,
                               summarize=bind(_summarize_by_seed, kernel=kernel),
                               combine=recurrence.combine_states),
       weights=bind(_weights_by_seed, kernel=kernel),
+      params=ParamSpec(init=_init_params, names=("projection",), trainable=False),
   ))
 
 

@@ -62,6 +62,28 @@ class StreamingSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class ParamSpec:
+  """Arrays a variant owns: a random projection, or learnable feature-map weights.
+
+  The variant's function, oracle and streaming functions take these arrays as
+  keyword options named as ``init``'s result. Left out, they are drawn from
+  the variant's ``rng`` seed option (as the registry's users and the tests
+  do); a layer draws them once from its own PRNG stream and passes them at
+  every call as data, so new values never recompile.
+
+  Attributes:
+    init: ``init(rng, head_dim, **options) -> {name: array}`` for a PRNG key
+      ``rng`` and head dim H (options filtered by name, see :func:`accepted`).
+    names: the keys of ``init``'s result, i.e. the array options.
+    trainable: learned by gradient, or drawn at random and only redrawn.
+  """
+
+  init: Callable[..., Mapping[str, Any]]
+  names: tuple[str, ...]
+  trainable: bool
+
+
+@dataclasses.dataclass(frozen=True)
 class AttentionSpec:
   """One registered variant.
 
@@ -90,6 +112,7 @@ class AttentionSpec:
       **options) -> [.., T, S]`` bool: the mask with which softmax attention
       equals this variant (``how_options`` are not passed). Benchmarks time
       the masked dense path against it.
+    params: the arrays the variant owns (see :class:`ParamSpec`), or None.
     weights: for kernel variants, ``weights(query, key, *, is_causal,
       key_value_seq_lengths, **options) -> ImpliedWeights`` (``how_options``
       are not passed): the unnormalised weights ``[B, N, T, S]`` the variant
@@ -111,6 +134,7 @@ class AttentionSpec:
   streaming: StreamingSpec | None = None
   dense_mask: Callable[..., Any] | None = None
   weights: Callable[..., Any] | None = None
+  params: ParamSpec | None = None
 
   def __post_init__(self):
     extra = set(self.suite_implementations or ()) - set(self.implementations)
@@ -164,6 +188,15 @@ def _check_options(name: str, function: Callable[..., Any], options: Mapping[str
         f"get_attention({name!r}): missing required option(s) {missing}; options are "
         f"{allowed}."
     )
+
+
+def accepted(function: Callable[..., Any], options: Mapping[str, Any]) -> dict[str, Any]:
+  """The entries of ``options`` that ``function`` takes as keyword arguments (all of
+  them if it takes ``**kwargs``)."""
+  params = inspect.signature(function).parameters
+  if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+    return dict(options)
+  return {k: v for k, v in options.items() if k in params}
 
 
 def register_attention(spec: AttentionSpec) -> AttentionSpec:

@@ -1,0 +1,192 @@
+"""Decode cost of `linattn_jax.nn.MultiHeadAttention` layers against position.
+
+For each variant and position P the layer's cache is brought to position P
+and ``--steps`` single-token decode steps run in one ``lax.scan`` under
+``jax.jit`` (the median over ``--repeats`` calls, per token). Recurrent and
+ring-buffer caches are reached by a real prefill of P tokens. A KV cache is
+allocated with capacity P + steps and filled with random keys and values
+directly: a step's cost depends on the capacity it reads, not on the values,
+and a prefill of 65536 tokens of exact attention would take minutes on a CPU.
+The report lists each cache's bytes (every array it holds) at each position.
+
+    python -m experiments.decode --positions=1024,65536
+
+writes ``decode.json`` and ``decode_step.png`` (log-log time per token
+against position) to ``--output_dir`` (default ``results/decode``).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from absl import app, flags
+from flax import nnx
+
+import linattn_jax as la
+from experiments import common
+from linattn_jax import nn
+
+_ATTENTIONS = flags.DEFINE_list(
+    "attentions",
+    ["softmax", "flash", "local", "longformer", "linear_elu", "linear_relu", "linear_learned",
+     "performer", "random_fourier", "efficient", "heinsen"],
+    "Registered variants to decode with (block_sparse and bigbird need --attention_options).")
+_ATTENTION_OPTIONS = flags.DEFINE_string(
+    "attention_options", None,
+    "JSON object {variant: {option: value}} overriding the defaults per variant.")
+_POSITIONS = flags.DEFINE_list("positions", ["1024", "65536"], "Positions P to decode at.")
+_KV_HEADS = common.KV_HEADS
+_BATCH = common.BATCH
+_STEPS = flags.DEFINE_integer("steps", 16, "Decode steps per timed call (one lax.scan).")
+_REPEATS = common.REPEATS
+flags.adopt_module_key_flags(common)
+
+DEFAULT_OPTIONS: dict[str, dict[str, Any]] = {
+    "local": {"window_size": [256, 0]},
+    "longformer": {"window_size": [256, 0], "global_positions": [0]},
+    "strided": {"stride": 128, "window_size": [128, 0]},
+    "bigbird": {"block_size": 64},
+}
+
+
+def make_layer(attention: str, options: dict[str, Any]) -> nn.MultiHeadAttention:
+  heads, head_dim = common.HEADS.value, common.HEAD_DIM.value
+  return nn.MultiHeadAttention(heads, heads * head_dim, num_kv_heads=_KV_HEADS.value,
+                               attention=attention, attention_options=options,
+                               rngs=nnx.Rngs(0))
+
+
+def bring_to(layer: nn.MultiHeadAttention, position: int, steps: int, batch: int) -> None:
+  """Leaves ``layer``'s cache at ``position`` (see the module docstring)."""
+  features = layer.in_features
+  layer.init_cache((batch, position + steps, features))
+  if nn.cache_kind(layer.attention) == "kv":
+    cache = layer.cache.get_value()
+    keys = jax.random.normal(jax.random.key(1), cache.key.shape, cache.key.dtype)
+    values = jax.random.normal(jax.random.key(2), cache.value.shape, cache.value.dtype)
+    layer.cache.set_value(nn.KVCache(keys, values, jnp.asarray(position, jnp.int32)))
+    return
+  prompt = jax.random.normal(jax.random.key(3), (batch, position, features))
+  nnx.jit(lambda m, x: m(x, is_causal=True, decode=True))(layer, prompt)
+
+
+def time_steps(layer: nn.MultiHeadAttention, steps: int, repeats: int, batch: int) -> float:
+  """Median seconds per decoded token, ``steps`` tokens per jitted call."""
+  graphdef, state = nnx.split(layer)
+  tokens = jax.random.normal(jax.random.key(4), (steps, batch, 1, layer.in_features))
+
+  @jax.jit
+  def run(state, tokens):
+    def body(state, token):
+      model = nnx.merge(graphdef, state)
+      out = model(token, is_causal=True, decode=True)
+      return nnx.state(model), out
+
+    return jax.lax.scan(body, state, tokens)
+
+  jax.block_until_ready(run(state, tokens))  # Compile and warm up.
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(run(state, tokens))
+    times.append(time.perf_counter() - start)
+  return statistics.median(times) / steps
+
+
+def cache_bytes(layer: nn.MultiHeadAttention) -> int:
+  return sum(x.nbytes for x in jax.tree.leaves(layer.cache.get_value()))
+
+
+def run(attentions: Sequence[str], positions: Sequence[int],
+        overrides: dict[str, dict[str, Any]]) -> dict[str, Any]:
+  records = []
+  for name in attentions:
+    options = {**DEFAULT_OPTIONS.get(name, {}), **overrides.get(name, {})}
+    for position in positions:
+      layer = make_layer(name, options)
+      record = {"attention": name, "options": options, "position": position,
+                "cache_kind": nn.cache_kind(name)}
+      try:
+        bring_to(layer, position, _STEPS.value, _BATCH.value)
+        record["cache_bytes"] = cache_bytes(layer)
+        record["step_s"] = time_steps(layer, _STEPS.value, _REPEATS.value, _BATCH.value)
+        record["status"] = "ok"
+      except ValueError as e:  # E.g. a sparse pattern past MAX_PATTERN_CAPACITY: reported.
+        record["status"] = f"not run: {e}"
+      records.append(record)
+      print(f"{name:>15} P={position:>6} {record['cache_kind']:>9} "
+            f"cache={record.get('cache_bytes', float('nan')) / 2**10:>10.1f} KiB "
+            f"step={record.get('step_s', float('nan')) * 1e6:>9.1f} us  {record['status'][:60]}",
+            flush=True)
+  for name in attentions:
+    ok = [r for r in records if r["attention"] == name and r["status"] == "ok"]
+    if len(ok) > 1:
+      ratio = ok[-1]["step_s"] / ok[0]["step_s"]
+      print(f"{name}: step at P={ok[-1]['position']} / step at P={ok[0]['position']} = "
+            f"{ratio:.2f}x", flush=True)
+  return {"device": str(jax.devices()[0]), "jax": jax.__version__, "heads": common.HEADS.value,
+          "num_kv_heads": _KV_HEADS.value or common.HEADS.value,
+          "head_dim": common.HEAD_DIM.value, "batch": _BATCH.value, "steps": _STEPS.value,
+          "records": records}
+
+
+def plot(report: dict[str, Any], path: Any) -> None:
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, ax = plt.subplots(figsize=(7, 5))
+  for name in dict.fromkeys(r["attention"] for r in report["records"]):
+    ok = [r for r in report["records"] if r["attention"] == name and r["status"] == "ok"]
+    if ok:
+      ax.plot([r["position"] for r in ok], [r["step_s"] for r in ok], marker="o", label=name)
+  ax.set_xscale("log", base=2)
+  ax.set_yscale("log")
+  ax.set_xlabel("position P")
+  ax.set_ylabel("seconds per decoded token (median)")
+  ax.set_title(f"decode step, N={report['heads']} K={report['num_kv_heads']} "
+               f"H={report['head_dim']} B={report['batch']}", fontsize="medium")
+  ax.grid(True, which="both", alpha=0.3)
+  ax.legend(fontsize="small")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def main(argv: Sequence[str]) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  unknown = set(_ATTENTIONS.value) - set(la.available_attentions())
+  if unknown:
+    raise app.UsageError(f"unknown --attentions {sorted(unknown)}; available: "
+                         f"{la.available_attentions()}")
+  try:
+    overrides = json.loads(_ATTENTION_OPTIONS.value or "{}")
+    positions = [int(p) for p in _POSITIONS.value]
+  except ValueError as e:
+    raise app.UsageError(f"--attention_options (JSON) or --positions (ints): {e}") from e
+  report = run(_ATTENTIONS.value, positions, overrides)
+  out = pathlib.Path(common.output_dir("decode"))
+  out.mkdir(parents=True, exist_ok=True)
+  common.write_json(out / "decode.json", report)
+  print(f"wrote {out / 'decode.json'}", flush=True)
+  if common.PLOT.value:
+    plot(report, out / "decode_step.png")
+    print(f"wrote {out / 'decode_step.png'}", flush=True)
+  failed = [r for r in report["records"] if r["status"] != "ok"
+            and "MAX_PATTERN_CAPACITY" not in r["status"]]
+  if failed:
+    sys.exit(f"{len(failed)} decode case(s) failed.")
+
+
+if __name__ == "__main__":
+  app.run(main)

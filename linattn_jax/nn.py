@@ -1,0 +1,19 @@
+"""Flax NNX layers: multi-head attention over any registered variant, with a decode cache."""
+
+from linattn_jax._src.layers import (
+    FeatureProjection,
+    KVCache,
+    MultiHeadAttention,
+    StateCache,
+    as_flax_attention_fn,
+    cache_kind,
+)
+
+__all__ = [
+    "FeatureProjection",
+    "KVCache",
+    "MultiHeadAttention",
+    "StateCache",
+    "as_flax_attention_fn",
+    "cache_kind",
+]

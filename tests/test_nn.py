@@ -1,0 +1,255 @@
+"""Flax NNX layers: decode caches for every causal variant, Flax parity, transforms, errors."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _helpers import TOLERANCE, CompileCounter
+from flax import linen, nnx
+
+import linattn_jax as la
+from linattn_jax import nn
+from linattn_jax._src.registry import get_spec
+
+B, T, IN, N, K = 2, 11, 16, 4, 2  # GQA: two query heads per key/value head.
+# A prompt, a step, a second chunk at a later position, then steps: every decode path.
+PIECES = (5, 1, 3, 1, 1)
+CAUSAL = [name for name in la.available_attentions() if get_spec(name).supports_causal]
+
+
+def _options(name: str) -> dict:
+  """The suite's small options, minus those the layer owns (it draws its own arrays)."""
+  spec = get_spec(name)
+  owned = spec.params.names + ("rng",) if spec.params is not None else ()
+  return {k: v for k, v in spec.test_options.items() if k not in owned}
+
+
+def _layer(name: str, dtype=None, **kw) -> nn.MultiHeadAttention:
+  return nn.MultiHeadAttention(N, IN, num_kv_heads=K, attention=name, dtype=dtype,
+                               attention_options=_options(name), rngs=nnx.Rngs(0), **kw)
+
+
+@nnx.jit
+def _full(layer, x):
+  return layer(x, is_causal=True)
+
+
+@nnx.jit
+def _decode(layer, x):
+  return layer(x, is_causal=True, decode=True)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("name", CAUSAL)
+def test_prefill_then_steps_equals_one_causal_call(name, dtype):
+  """A prompt, single tokens, a later chunk: together one causal call over the sequence."""
+  layer = _layer(name, dtype)
+  x = jax.random.normal(jax.random.key(1), (B, T, IN)).astype(dtype)
+  want = _full(layer, x)
+  layer.init_cache(x.shape)
+  bounds = np.cumsum((0,) + PIECES)
+  pieces = zip(bounds[:-1], bounds[1:], strict=True)
+  got = jnp.concatenate([_decode(layer, x[:, a:b]) for a, b in pieces], 1)
+  assert got.dtype == want.dtype == dtype
+  atol, rtol = TOLERANCE[jnp.dtype(dtype)]
+  if name == "random_fourier":  # Signed features: a normaliser can nearly cancel (see README).
+    atol, rtol = 10 * atol, 10 * rtol
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                             atol=atol, rtol=rtol, err_msg=name)
+  assert int(layer.cache.get_value().index) == T
+
+
+def test_cache_kinds_and_sizes():
+  """A recurrent cache is the fixed [B, K, M, H] state; a KV cache grows with its capacity."""
+  def nbytes(name, capacity):
+    layer = _layer(name)
+    layer.init_cache((B, capacity, IN))
+    return sum(x.nbytes for x in jax.tree.leaves(layer.cache.get_value()))
+
+  H = IN // N
+  assert nn.cache_kind("linear_elu") == "recurrent"
+  assert nn.cache_kind("local") == "window" and nn.cache_kind("softmax") == "kv"
+  # elu+1 keeps M = H: kv [B, K, H, H] and k_sum [B, K, H] in float32, plus the index.
+  assert nbytes("linear_elu", 8) == nbytes("linear_elu", 4096) == 4 * (B * K * H * (H + 1) + 1)
+  assert nbytes("softmax", 4096) == 2 * 4 * B * 4096 * K * H + 4
+  left = _options("local")["window_size"][0]
+  assert nbytes("local", 4096) == 2 * 4 * B * (left + 1) * K * H + 4 + 4
+
+
+def test_same_parameters_and_outputs_as_flax_multi_head_attention():
+  ours = nn.MultiHeadAttention(N, IN, num_kv_heads=K, qkv_features=24, out_features=8,
+                               rngs=nnx.Rngs(0))
+  theirs = nnx.MultiHeadAttention(N, IN, num_kv_heads=K, qkv_features=24, out_features=8,
+                                  decode=False, rngs=nnx.Rngs(1))
+  shapes = lambda m: jax.tree.map(jnp.shape, nnx.state(m, nnx.Param))  # noqa: E731
+  assert shapes(ours) == shapes(theirs)
+  nnx.update(ours, nnx.state(theirs, nnx.Param))
+  x = jax.random.normal(jax.random.key(2), (B, T, IN))
+  for causal in (False, True):
+    np.testing.assert_allclose(ours(x, is_causal=causal), theirs(x, is_causal=causal),
+                               atol=2e-6, rtol=2e-6)
+
+
+def test_flax_attention_fn_adapter():
+  """Flax's own layer runs linear attention through the hook; what it cannot honour raises."""
+  theirs = nnx.MultiHeadAttention(N, IN, decode=False, rngs=nnx.Rngs(0),
+                                  attention_fn=nn.as_flax_attention_fn(la.linear_attention))
+  ours = nn.MultiHeadAttention(N, IN, attention="linear_elu", rngs=nnx.Rngs(1))
+  nnx.update(ours, nnx.state(theirs, nnx.Param))
+  x = jax.random.normal(jax.random.key(3), (B, T, IN))
+  np.testing.assert_allclose(theirs(x, is_causal=True), ours(x, is_causal=True),
+                             atol=2e-6, rtol=2e-6)
+  with pytest.raises(ValueError, match="mask"):
+    theirs(x, mask=jnp.ones((B, 1, T, T), bool))
+  dropping = nnx.MultiHeadAttention(N, IN, decode=False, dropout_rate=0.1, rngs=nnx.Rngs(0),
+                                    attention_fn=nn.as_flax_attention_fn(la.linear_attention))
+  with pytest.raises(ValueError, match="dropout"):
+    dropping(x, deterministic=False)
+  masked = nnx.MultiHeadAttention(N, IN, decode=False, rngs=nnx.Rngs(0),
+                                  attention_fn=nn.as_flax_attention_fn(la.softmax_attention))
+  mask = jnp.tril(jnp.ones((T, T), bool))[None, None]
+  np.testing.assert_allclose(masked(x, mask=mask), masked(x, is_causal=True), atol=1e-6)
+
+
+def test_linen_bridge():
+  """The layer inside a flax.linen model, through nnx.bridge."""
+
+  class Block(linen.Module):
+    @linen.compact
+    def __call__(self, x):
+      attend = nnx.bridge.to_linen(nn.MultiHeadAttention, N, IN, attention="linear_elu")
+      return x + attend(linen.LayerNorm()(x), is_causal=True)
+
+  x = jax.random.normal(jax.random.key(4), (B, T, IN))
+  model = Block()
+  variables = model.init(jax.random.key(0), x)
+  out = model.apply(variables, x)
+  layer = nn.MultiHeadAttention(N, IN, attention="linear_elu", rngs=nnx.Rngs(5))
+  params = variables["params"]["ToLinen_0"]
+  nnx.update(layer, nnx.State({k: {kk: nnx.Param(vv) for kk, vv in v.items()}
+                               for k, v in params.items()}))
+  norm = linen.LayerNorm().apply({"params": variables["params"]["LayerNorm_0"]}, x)
+  np.testing.assert_allclose(out, x + layer(norm, is_causal=True), atol=2e-6, rtol=2e-6)
+  grads = jax.grad(lambda v: model.apply(v, x).sum())(variables)
+  assert np.all(np.isfinite(jax.tree.leaves(grads)[0]))
+
+
+def test_jit_grad_scan_over_layers_and_mixed_precision():
+  """nnx.scan over a stack of layers, nnx.grad of trainable maps only, bf16 compute."""
+  depth = 3
+
+  @nnx.vmap(in_axes=0, out_axes=0)
+  def make(key):
+    return nn.MultiHeadAttention(N, IN, num_kv_heads=K, attention="linear_learned",
+                                 dtype=jnp.bfloat16, param_dtype=jnp.float32,
+                                 rngs=nnx.Rngs(key))
+
+  stack = make(jax.random.split(jax.random.key(0), depth))
+
+  @nnx.jit
+  def loss(stack, x):
+    @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+    def body(layer, h):
+      return h + layer(h, is_causal=True)
+
+    return jnp.mean(body(stack, x).astype(jnp.float32) ** 2)
+
+  x = jax.random.normal(jax.random.key(6), (B, T, IN)).astype(jnp.bfloat16)
+  value, grads = nnx.jit(nnx.value_and_grad(loss))(stack, x)
+  assert np.isfinite(value)
+  assert grads["feature_weight"].get_value().shape == (depth, IN // N, IN // N)
+  assert grads["feature_weight"].get_value().dtype == jnp.float32
+  assert np.abs(grads["feature_weight"].get_value()).sum() > 0  # The map is trained.
+  # The same loss layer by layer, without transforms.
+  graphdef, state = nnx.split(stack)
+  h = x
+  for i in range(depth):
+    layer = nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state))
+    h = h + layer(h, is_causal=True)
+  np.testing.assert_allclose(value, jnp.mean(h.astype(jnp.float32) ** 2), rtol=2e-2)
+
+
+def test_projection_is_data_redraw_is_pure_and_never_trained():
+  layer = nn.MultiHeadAttention(N, IN, attention="performer",
+                                attention_options={"num_features": 8}, rngs=nnx.Rngs(0))
+  assert isinstance(layer.projection, nn.FeatureProjection)
+  assert "projection" in nnx.state(layer, nn.FeatureProjection)
+  assert "projection" not in nnx.state(layer, nnx.Param)  # Not a parameter.
+  grads = nnx.grad(lambda m, x: m(x, is_causal=True).sum())(layer, jnp.ones((1, 4, IN)))
+  assert "projection" not in grads
+  x = jax.random.normal(jax.random.key(7), (1, 6, IN))
+  first = _full(layer, x)
+  layer.redraw(jax.random.key(1))
+  drawn = layer.projection.get_value()
+  with CompileCounter() as compiles:
+    second = _full(layer, x)
+  assert compiles.count == 0  # A new projection is new data, not a new program.
+  assert not np.allclose(first, second)
+  layer.redraw(jax.random.key(1))
+  np.testing.assert_array_equal(layer.projection.get_value(), drawn)
+  with pytest.raises(ValueError, match="no random projection"):
+    nn.MultiHeadAttention(N, IN, rngs=nnx.Rngs(0)).redraw(jax.random.key(0))
+
+
+def test_capacity_is_enforced_when_the_program_runs():
+  layer = _layer("softmax")
+  layer.init_cache((B, 4, IN))
+  x = jnp.ones((B, 3, IN))
+  _decode(layer, x)
+  with pytest.raises(Exception, match="past the KV cache's capacity 4"):
+    jax.block_until_ready(_decode(layer, x))
+  with pytest.raises(ValueError, match="capacity 4"):
+    _decode(layer, jnp.ones((B, 5, IN)))
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: nn.MultiHeadAttention(3, IN, rngs=nnx.Rngs(0)), "qkv_features=16 must be divisible"),
+    (lambda: nn.MultiHeadAttention(4, IN, num_kv_heads=3, rngs=nnx.Rngs(0)), "num_kv_heads=3"),
+    (lambda: nn.MultiHeadAttention(4, IN, attention="nope", rngs=nnx.Rngs(0)), "'nope'"),
+    (lambda: nn.MultiHeadAttention(4, IN, attention="linear_elu",
+                                   attention_options={"window_size": 3}, rngs=nnx.Rngs(0)),
+     "unknown option `window_size`"),
+    (lambda: nn.MultiHeadAttention(4, IN, attention="local", rngs=nnx.Rngs(0)),
+     "missing required option"),
+    (lambda: nn.MultiHeadAttention(4, IN, attention="performer",
+                                   attention_options={"rng": 3}, rngs=nnx.Rngs(0)),
+     "managed by the layer"),
+    (lambda: nn.MultiHeadAttention(4, IN, attention="linear_learned",
+                                   attention_options={"feature_weight": 1}, rngs=nnx.Rngs(0)),
+     "managed by the layer"),
+])
+def test_bad_configurations_raise(make, match):
+  with pytest.raises(ValueError, match=match):
+    make()
+
+
+def test_bad_calls_raise():
+  layer = _layer("linear_elu")
+  x = jnp.ones((B, 3, IN))
+  with pytest.raises(ValueError, match="init_cache"):
+    layer(x, is_causal=True, decode=True)
+  layer.init_cache((B, 8, IN))
+  with pytest.raises(ValueError, match="is_causal=True"):
+    layer(x, decode=True)
+  with pytest.raises(ValueError, match="is_causal=True"):
+    layer(x, x, is_causal=True, decode=True)
+  with pytest.raises(ValueError, match="batch 2"):
+    layer(jnp.ones((3, 1, IN)), is_causal=True, decode=True)
+  with pytest.raises(ValueError, match="in_features=16"):
+    layer(jnp.ones((B, 3, IN + 1)))
+
+
+def test_layer_decode_matches_the_function_step():
+  """The layer's decode is the registry's protocol: its state equals the function's."""
+  layer = _layer("heinsen")
+  x = jax.random.normal(jax.random.key(8), (B, 6, IN))
+  layer.init_cache(x.shape)
+  _decode(layer, x)
+  q, k, v = layer.query(x), layer.key(x), layer.value(x)
+  _, state = la.heinsen_attention(q, k, v, is_causal=True, return_state=True)
+  jax.tree.map(functools.partial(np.testing.assert_allclose, atol=1e-5, rtol=1e-5),
+               layer.cache.get_value().state, state)
