@@ -52,7 +52,7 @@ _INPUT_SCALE = flags.DEFINE_float(
     "input_scale", 0.5,
     "Standard deviation of the entries of q and k; larger values sharpen the softmax "
     "and raise the random features' variance.")
-_SEED = flags.DEFINE_integer("seed", 0, "Seed of the inputs and of the projection draws.")
+_SEED = common.SEED
 
 PROJECTIONS = {
     "orthogonal": feature_maps.orthogonal_random_projection,

@@ -55,8 +55,7 @@ _IMPLEMENTATIONS = flags.DEFINE_list(
 _LENGTHS = flags.DEFINE_list("lengths", ["256", "512", "1024"], "Sequence lengths T (= S).")
 _BATCH = common.BATCH
 _KV_HEADS = common.KV_HEADS
-_DTYPE = flags.DEFINE_enum(
-    "dtype", "float32", ["float32", "bfloat16", "float16"], "Dtype of q, k, v.")
+_DTYPE = common.DTYPE
 _MODES = flags.DEFINE_list(
     "modes", ["forward", "backward"],
     "forward, backward (forward + gradients w.r.t. q, k, v) and/or step (time per token of "

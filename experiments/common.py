@@ -18,6 +18,9 @@ VALUE_DIM = flags.DEFINE_integer("value_dim", None, "Value head dim D (default: 
 KV_HEADS = flags.DEFINE_integer("kv_heads", None, "Key/value heads K (default: --heads).")
 BATCH = flags.DEFINE_integer("batch", 1, "Batch size B.")
 REPEATS = flags.DEFINE_integer("repeats", 5, "Timed calls per case; medians are reported.")
+DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"],
+                          "Dtype of the inputs (benchmarks) or of the computation (training).")
+SEED = flags.DEFINE_integer("seed", 0, "Seed of the inputs, parameters and data order.")
 CAUSAL = flags.DEFINE_bool("causal", True, "Pass is_causal=True.")
 OUTPUT_DIR = flags.DEFINE_string(
     "output_dir", None, "Where the JSON and plots go (default: results/<script name>).")

@@ -2,7 +2,8 @@
 
 For each variant and position P the layer's cache is brought to position P
 and ``--steps`` single-token decode steps run in one ``lax.scan`` under
-``jax.jit`` (the median over ``--repeats`` calls, per token). Recurrent and
+``jax.jit``: the median over ``--repeats`` calls, per token, with the
+positions timed in alternation. Recurrent and
 ring-buffer caches are reached by a real prefill of P tokens. A KV cache is
 allocated with capacity P + steps and filled with random keys and values
 directly: a step's cost depends on the capacity it reads, not on the values,
@@ -78,8 +79,8 @@ def bring_to(layer: nn.MultiHeadAttention, position: int, steps: int, batch: int
   nnx.jit(lambda m, x: m(x, is_causal=True, decode=True))(layer, prompt)
 
 
-def time_steps(layer: nn.MultiHeadAttention, steps: int, repeats: int, batch: int) -> float:
-  """Median seconds per decoded token, ``steps`` tokens per jitted call."""
+def step_runner(layer: nn.MultiHeadAttention, steps: int, batch: int):
+  """A zero-argument call decoding ``steps`` tokens from ``layer``'s cache (compiled, warm)."""
   graphdef, state = nnx.split(layer)
   tokens = jax.random.normal(jax.random.key(4), (steps, batch, 1, layer.in_features))
 
@@ -92,13 +93,21 @@ def time_steps(layer: nn.MultiHeadAttention, steps: int, repeats: int, batch: in
 
     return jax.lax.scan(body, state, tokens)
 
-  jax.block_until_ready(run(state, tokens))  # Compile and warm up.
-  times = []
+  call = lambda: jax.block_until_ready(run(state, tokens))  # noqa: E731
+  call()  # Compile and warm up.
+  return call
+
+
+def time_interleaved(calls: dict[int, Any], repeats: int, steps: int) -> dict[int, float]:
+  """Median seconds per token of each call, timed in alternation (round by round), so
+  that the load of a shared machine falls on every position alike."""
+  times: dict[int, list[float]] = {p: [] for p in calls}
   for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(run(state, tokens))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times) / steps
+    for position, call in calls.items():
+      start = time.perf_counter()
+      call()
+      times[position].append(time.perf_counter() - start)
+  return {p: statistics.median(t) / steps for p, t in times.items()}
 
 
 def cache_bytes(layer: nn.MultiHeadAttention) -> int:
@@ -110,6 +119,7 @@ def run(attentions: Sequence[str], positions: Sequence[int],
   records = []
   for name in attentions:
     options = {**DEFAULT_OPTIONS.get(name, {}), **overrides.get(name, {})}
+    calls = {}
     for position in positions:
       layer = make_layer(name, options)
       record = {"attention": name, "options": options, "position": position,
@@ -117,12 +127,16 @@ def run(attentions: Sequence[str], positions: Sequence[int],
       try:
         bring_to(layer, position, _STEPS.value, _BATCH.value)
         record["cache_bytes"] = cache_bytes(layer)
-        record["step_s"] = time_steps(layer, _STEPS.value, _REPEATS.value, _BATCH.value)
+        calls[position] = step_runner(layer, _STEPS.value, _BATCH.value)
         record["status"] = "ok"
       except ValueError as e:  # E.g. a sparse pattern past MAX_PATTERN_CAPACITY: reported.
         record["status"] = f"not run: {e}"
       records.append(record)
-      print(f"{name:>15} P={position:>6} {record['cache_kind']:>9} "
+    per_token = time_interleaved(calls, _REPEATS.value, _STEPS.value)
+    for record in records[-len(positions):]:
+      if record["position"] in per_token:
+        record["step_s"] = per_token[record["position"]]
+      print(f"{name:>15} P={record['position']:>6} {record['cache_kind']:>9} "
             f"cache={record.get('cache_bytes', float('nan')) / 2**10:>10.1f} KiB "
             f"step={record.get('step_s', float('nan')) * 1e6:>9.1f} us  {record['status'][:60]}",
             flush=True)

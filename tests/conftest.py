@@ -5,6 +5,9 @@ optimisation passes cost far more than running the result. Unless the
 caller sets ``XLA_FLAGS``, compile with them turned down: this halves the
 suite's time on CPU. Every tolerance holds at either level; to test the
 optimised code, run with e.g. ``XLA_FLAGS=`` (empty) set.
+
+Float32 matrix products run at full precision: the parity tolerances are
+float32's. (GPUs otherwise multiply float32 in TF32, with 10-bit mantissas.)
 """
 
 import os
@@ -13,6 +16,7 @@ import pytest
 
 os.environ.setdefault(
     "XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
+os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 
 
 def pytest_addoption(parser):

@@ -1,0 +1,76 @@
+"""A small pre-norm Transformer built from `linattn_jax.nn` layers.
+
+Decoder (causal; language modelling and recall) or encoder (bidirectional,
+mean-pooled over the valid tokens; classification). Positions are learned
+absolute embeddings added to the tokens: they work unchanged with every
+variant (exact, kernel, Shen, Heinsen, sparse), in training and in decoding.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from linattn_jax import nn
+
+
+class Block(nnx.Module):
+  """``x + attn(norm(x))``, then ``x + mlp(norm(x))`` (GELU, 4x width)."""
+
+  def __init__(self, dim: int, *, num_heads: int, num_kv_heads: int | None, attention: str,
+               attention_options: dict[str, Any], dtype: Any, rngs: nnx.Rngs):
+    self.attn_norm = nnx.LayerNorm(dim, dtype=dtype, rngs=rngs)
+    self.attn = nn.MultiHeadAttention(num_heads, dim, num_kv_heads=num_kv_heads,
+                                      attention=attention, attention_options=attention_options,
+                                      dtype=dtype, rngs=rngs)
+    self.mlp_norm = nnx.LayerNorm(dim, dtype=dtype, rngs=rngs)
+    self.mlp_in = nnx.Linear(dim, 4 * dim, dtype=dtype, rngs=rngs)
+    self.mlp_out = nnx.Linear(4 * dim, dim, dtype=dtype, rngs=rngs)
+
+  def __call__(self, x, *, causal: bool, lengths, decode: bool):
+    x = x + self.attn(self.attn_norm(x), is_causal=causal, decode=decode,
+                      key_value_seq_lengths=lengths)
+    return x + self.mlp_out(jax.nn.gelu(self.mlp_in(self.mlp_norm(x))))
+
+
+class Transformer(nnx.Module):
+  """Token and position embeddings, ``num_layers`` blocks, a final norm and a head.
+
+  ``__call__(tokens [B, L], lengths=None, position=0, decode=False)`` returns
+  logits ``[B, L, vocab]`` (decoder) or ``[B, num_classes]`` (encoder).
+  ``position`` is the absolute position of ``tokens[:, 0]`` (decoding).
+  """
+
+  def __init__(self, *, vocab_size: int, num_classes: int | None, max_len: int, dim: int,
+               num_layers: int, num_heads: int, num_kv_heads: int | None, attention: str,
+               attention_options: dict[str, Any], dtype: Any, rngs: nnx.Rngs):
+    self.causal = num_classes is None
+    self.embed = nnx.Embed(vocab_size, dim, dtype=dtype, rngs=rngs)
+    self.positions = nnx.Param(0.02 * jax.random.normal(rngs.params(), (max_len, dim)))
+    self.blocks = nnx.List([
+        Block(dim, num_heads=num_heads, num_kv_heads=num_kv_heads, attention=attention,
+              attention_options=attention_options, dtype=dtype, rngs=rngs)
+        for _ in range(num_layers)])
+    self.norm = nnx.LayerNorm(dim, dtype=dtype, rngs=rngs)
+    self.head = nnx.Linear(dim, num_classes or vocab_size, dtype=dtype, rngs=rngs)
+
+  def __call__(self, tokens: jax.Array, lengths: jax.Array | None = None, *,
+               position: Any = 0, decode: bool = False) -> jax.Array:
+    L = tokens.shape[1]
+    pos = jax.lax.dynamic_slice_in_dim(self.positions.get_value(), position, L, axis=0)
+    x = self.embed(tokens) + pos.astype(self.embed.dtype or jnp.float32)
+    for block in self.blocks:
+      x = block(x, causal=self.causal, lengths=None if self.causal else lengths, decode=decode)
+    x = self.norm(x)
+    if not self.causal:  # Mean over the valid tokens.
+      valid = (jnp.arange(L)[None, :] < lengths[:, None])[..., None]
+      x = jnp.sum(jnp.where(valid, x, 0), axis=1) / jnp.maximum(lengths[:, None], 1)
+    return self.head(x).astype(jnp.float32)
+
+  def init_cache(self, batch: int, max_len: int) -> None:
+    """Decode caches for ``max_len`` positions in every layer."""
+    for block in self.blocks:
+      block.attn.init_cache((batch, max_len, self.embed.features), dtype=self.embed.dtype)

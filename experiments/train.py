@@ -1,0 +1,483 @@
+"""Train a small Transformer with any registered attention on a built-in task.
+
+    python -m experiments.train                       # char_lm, linear_elu, CPU-sized
+    python -m experiments.train --attention=performer --attention_options=num_features=64
+    python -m experiments.train --task=mqar --attention=softmax --seq_len=64
+
+Data order is a function of (seed, step) (see ``data.py``); orbax checkpoints
+in ``--workdir`` make a rerun of the same command after the process died
+resume from the last checkpoint, ending with the same parameters bit for bit
+(on CPU). The batch is sharded over all local devices (a one-axis ``data``
+mesh). ``--workdir`` receives ``config.json``, ``metrics.jsonl`` (one JSON
+object per logged or evaluated step), ``curves.png``, ``summary.json`` and,
+for char_lm, ``sample.txt`` generated through the layers' decode caches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from absl import app, flags, logging
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import linattn_jax as la
+from experiments import common, data
+from experiments.model import Transformer
+
+_ATTENTION = flags.DEFINE_string("attention", "linear_elu", "A registered attention name.")
+_ATTENTION_OPTIONS = flags.DEFINE_string(
+    "attention_options", "", "Its options: JSON ('{\"window_size\": [64, 0]}') or "
+    "key=value,... (values parsed as JSON, e.g. window_size=64 or num_features=64).")
+_TASK = flags.DEFINE_enum("task", "char_lm", list(data.TASKS), "Training task.")
+_SEQ_LEN = flags.DEFINE_integer("seq_len", 128, "Tokens per example.")
+_BATCH_SIZE = flags.DEFINE_integer("batch_size", 32, "Examples per step (over all devices).")
+_NUM_STEPS = flags.DEFINE_integer("num_steps", 1000, "Training steps.")
+_LEARNING_RATE = flags.DEFINE_float("learning_rate", 3e-3, "Peak learning rate.")
+_WARMUP_STEPS = flags.DEFINE_integer("warmup_steps", 50, "Linear warm-up steps.")
+_WEIGHT_DECAY = flags.DEFINE_float("weight_decay", 0.01, "AdamW weight decay.")
+_CLIP_NORM = flags.DEFINE_float("clip_norm", 1.0, "Global gradient-norm clipping.")
+_NUM_LAYERS = flags.DEFINE_integer("num_layers", 2, "Transformer blocks.")
+_MODEL_DIM = flags.DEFINE_integer("model_dim", 128, "Model width.")
+_NUM_HEADS = flags.DEFINE_integer("num_heads", 4, "Query heads N.")
+_NUM_KV_HEADS = flags.DEFINE_integer("num_kv_heads", None, "Key/value heads K (default N).")
+_DTYPE = common.DTYPE  # float32 or bfloat16 here.
+_SEED = common.SEED
+flags.declare_key_flag("dtype")
+flags.declare_key_flag("seed")
+_WORKDIR = flags.DEFINE_string("workdir", "results/train", "Checkpoints, metrics and plots.")
+_EVAL_EVERY = flags.DEFINE_integer("eval_every", 250, "Evaluate every this many steps.")
+_EVAL_BATCHES = flags.DEFINE_integer("eval_batches", 8, "Held-out batches per evaluation.")
+_CHECKPOINT_EVERY = flags.DEFINE_integer("checkpoint_every", 250, "Checkpoint period (steps).")
+_LOG_EVERY = flags.DEFINE_integer("log_every", 50, "Progress line period (steps).")
+_REDRAW_EVERY = flags.DEFINE_integer(
+    "redraw_every", 0, "Redraw random features every this many steps (0: never; "
+    "performer and random_fourier only).")
+_SAMPLE_LENGTH = flags.DEFINE_integer("sample_length", 96, "Generated characters (char_lm).")
+
+# Flags that do not change what is trained: a resumed run may change them.
+RUNTIME_ONLY = ("workdir", "eval_every", "eval_batches", "checkpoint_every", "log_every",
+                "sample_length")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  attention: str
+  attention_options: dict[str, Any]
+  task: str
+  seq_len: int
+  batch_size: int
+  num_steps: int
+  learning_rate: float
+  warmup_steps: int
+  weight_decay: float
+  clip_norm: float
+  num_layers: int
+  model_dim: int
+  num_heads: int
+  num_kv_heads: int | None
+  dtype: str
+  seed: int
+  workdir: str
+  eval_every: int
+  eval_batches: int
+  checkpoint_every: int
+  log_every: int
+  redraw_every: int
+  sample_length: int
+
+  def training(self) -> dict[str, Any]:
+    """The fields that define what is trained (compared on resume)."""
+    return {k: v for k, v in dataclasses.asdict(self).items() if k not in RUNTIME_ONLY}
+
+
+def parse_options(text: str) -> dict[str, Any]:
+  """``--attention_options``: a JSON object or ``key=value,...`` with JSON values."""
+  text = text.strip()
+  if not text:
+    return {}
+  if text.startswith("{"):
+    options = json.loads(text)
+    if not isinstance(options, dict):
+      raise ValueError("not a JSON object")
+    return options
+  options = {}
+  for item in _split_top_level(text):
+    key, sep, value = item.partition("=")
+    if not sep or not key.strip():
+      raise ValueError(f"{item!r} is not key=value")
+    try:
+      options[key.strip()] = json.loads(value)
+    except json.JSONDecodeError:
+      options[key.strip()] = value.strip()  # A bare word, e.g. kernel=trig.
+  return options
+
+
+def _split_top_level(text: str) -> list[str]:
+  """Splits at commas outside brackets, so ``window_size=[64,0],x=1`` has two items."""
+  items, depth, start = [], 0, 0
+  for i, c in enumerate(text):
+    depth += c in "[{("
+    depth -= c in "]})"
+    if c == "," and depth == 0:
+      items.append(text[start:i])
+      start = i + 1
+  return items + [text[start:]]
+
+
+def config_from_flags() -> Config:
+  """Reads and checks the flags; a bad one raises ``app.UsageError`` naming it."""
+  if _ATTENTION.value not in la.available_attentions():
+    raise app.UsageError(f"--attention={_ATTENTION.value!r} is unknown; available: "
+                         f"{la.available_attentions()}.")
+  try:
+    options = parse_options(_ATTENTION_OPTIONS.value)
+  except (ValueError, json.JSONDecodeError) as e:
+    raise app.UsageError(f"--attention_options does not parse: {e}.") from e
+  for flag in (_SEQ_LEN, _BATCH_SIZE, _NUM_STEPS, _NUM_LAYERS, _MODEL_DIM, _NUM_HEADS,
+               _EVAL_EVERY, _EVAL_BATCHES, _CHECKPOINT_EVERY, _LOG_EVERY):
+    if flag.value < 1:
+      raise app.UsageError(f"--{flag.name} must be positive; got {flag.value}.")
+  for flag in (_WARMUP_STEPS, _REDRAW_EVERY, _SAMPLE_LENGTH):
+    if flag.value < 0:
+      raise app.UsageError(f"--{flag.name} must be >= 0; got {flag.value}.")
+  if _NUM_KV_HEADS.value is not None and _NUM_KV_HEADS.value < 1:
+    raise app.UsageError(f"--num_kv_heads must be positive; got {_NUM_KV_HEADS.value}.")
+  if _LEARNING_RATE.value <= 0:
+    raise app.UsageError(f"--learning_rate must be positive; got {_LEARNING_RATE.value}.")
+  if _DTYPE.value not in ("float32", "bfloat16"):
+    raise app.UsageError(f"--dtype={_DTYPE.value}: training runs in float32 or bfloat16.")
+  devices = jax.local_device_count()
+  if _BATCH_SIZE.value % devices:
+    raise app.UsageError(f"--batch_size={_BATCH_SIZE.value} must divide over the {devices} "
+                         "local devices.")
+  task = data.TASKS[_TASK.value]
+  if not task.causal and not la.get_spec(_ATTENTION.value).supports_noncausal:
+    raise app.UsageError(f"--task={task.name} classifies with a bidirectional encoder; "
+                         f"--attention={_ATTENTION.value} is causal only.")
+  if _REDRAW_EVERY.value and (la.get_spec(_ATTENTION.value).params is None
+                              or la.get_spec(_ATTENTION.value).params.trainable):
+    raise app.UsageError(f"--redraw_every applies to random-feature attentions; "
+                         f"--attention={_ATTENTION.value} has none.")
+  config = Config(**{f.name: flags.FLAGS[f.name].value for f in dataclasses.fields(Config)
+                     if f.name != "attention_options"}, attention_options=options)
+  try:  # Builds the model abstractly: bad options or sizes fail here, before any write.
+    jax.eval_shape(lambda: nnx.split(make_model(config)))
+  except ValueError as e:
+    raise app.UsageError(f"--attention_options / sizes: {e}") from e
+  return config
+
+
+# ---------------------------------------------------------------- training ---
+
+
+def make_model(config: Config, seed: int | None = None) -> Transformer:
+  task = data.TASKS[config.task]
+  return Transformer(
+      vocab_size=task.vocab_size, num_classes=task.num_classes, max_len=config.seq_len,
+      dim=config.model_dim, num_layers=config.num_layers, num_heads=config.num_heads,
+      num_kv_heads=config.num_kv_heads, attention=config.attention,
+      attention_options=config.attention_options, dtype=jnp.dtype(config.dtype),
+      rngs=nnx.Rngs(config.seed if seed is None else seed))
+
+
+def make_optimizer(config: Config) -> optax.GradientTransformation:
+  """AdamW with linear warm-up, cosine decay to 10% and global-norm clipping."""
+  schedule = optax.warmup_cosine_decay_schedule(
+      0.0, config.learning_rate, max(config.warmup_steps, 1),
+      max(config.num_steps, config.warmup_steps + 1), end_value=0.1 * config.learning_rate)
+  return optax.chain(optax.clip_by_global_norm(config.clip_norm),
+                     optax.adamw(schedule, weight_decay=config.weight_decay))
+
+
+def loss_and_metrics(model: Transformer, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict]:
+  """Mean cross-entropy over the scored positions (or examples) and the accuracy."""
+  if model.causal:
+    logits = model(batch["inputs"])
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+    w = batch["weights"]
+    total = jnp.maximum(w.sum(), 1.0)
+    loss = (losses * w).sum() / total
+    accuracy = ((logits.argmax(-1) == batch["targets"]) * w).sum() / total
+  else:
+    logits = model(batch["inputs"], batch["lengths"])
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+    accuracy = (logits.argmax(-1) == batch["targets"]).mean()
+  return loss, {"loss": loss, "accuracy": accuracy}
+
+
+class Trainer:
+  """The jitted step functions over ``(params, rest, opt_state)`` pytrees."""
+
+  def __init__(self, config: Config):
+    self.config = config
+    self.graphdef, params, rest = nnx.split(make_model(config), nnx.Param, ...)
+    self.tx = make_optimizer(config)
+    mesh = jax.make_mesh((jax.local_device_count(),), ("data",),
+                         axis_types=(jax.sharding.AxisType.Auto,))
+    self.replicated = NamedSharding(mesh, P())
+    self.sharded = NamedSharding(mesh, P("data"))
+    self.state = jax.device_put(
+        {"params": params, "rest": rest, "opt_state": self.tx.init(params)}, self.replicated)
+    self.train_step = jax.jit(self._train_step, donate_argnums=0)
+    self.eval_step = jax.jit(self._eval_step)
+
+  def _train_step(self, state, batch):
+    def loss_fn(params):
+      return loss_and_metrics(nnx.merge(self.graphdef, params, state["rest"]), batch)
+
+    grads, metrics = jax.grad(loss_fn, has_aux=True)(state["params"])
+    updates, opt_state = self.tx.update(grads, state["opt_state"], state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    metrics["grad_norm"] = optax.tree.norm(grads)
+    return {"params": params, "rest": state["rest"], "opt_state": opt_state}, metrics
+
+  def _eval_step(self, state, batch):
+    return loss_and_metrics(nnx.merge(self.graphdef, state["params"], state["rest"]), batch)[1]
+
+  def batch(self, step: int, split: int) -> dict[str, jax.Array]:
+    c = self.config
+    task = data.TASKS[c.task]
+    return jax.device_put(task.batch(c.seed, step, split, c.batch_size, c.seq_len),
+                          self.sharded)
+
+  def model(self) -> Transformer:
+    return nnx.merge(self.graphdef, self.state["params"], self.state["rest"])
+
+  def redraw(self, step: int) -> None:
+    """New random features for every layer, drawn from (seed, step): deterministic."""
+    model = self.model()
+    key = jax.random.fold_in(jax.random.key(self.config.seed), step)
+    for i, block in enumerate(model.blocks):
+      block.attn.redraw(jax.random.fold_in(key, i))
+    _, _, rest = nnx.split(model, nnx.Param, ...)
+    self.state = {**self.state, "rest": jax.device_put(rest, self.replicated)}
+
+  def evaluate(self) -> dict[str, float]:
+    sums: dict[str, float] = {}
+    for i in range(self.config.eval_batches):
+      metrics = self.eval_step(self.state, self.batch(i, data.VALID))
+      for k, v in metrics.items():
+        sums[k] = sums.get(k, 0.0) + float(v) / self.config.eval_batches
+    out = {f"eval_{k}": v for k, v in sums.items()}
+    if self.config.task == "char_lm":
+      out["eval_bits_per_char"] = out["eval_loss"] / math.log(2)
+    return out
+
+
+# ------------------------------------------------------------- checkpoints ---
+
+
+class Checkpoints:
+  """orbax checkpoints of the flattened state, under ``workdir/checkpoints``."""
+
+  def __init__(self, workdir: pathlib.Path):
+    self.manager = ocp.CheckpointManager(
+        (workdir / "checkpoints").absolute(),
+        options=ocp.CheckpointManagerOptions(max_to_keep=2, enable_async_checkpointing=False))
+
+  @staticmethod
+  def _flat(state) -> dict[str, Any]:
+    return {str(i): leaf for i, leaf in enumerate(jax.tree.leaves(state))}
+
+  def save(self, step: int, state) -> None:
+    self.manager.save(step, args=ocp.args.StandardSave(self._flat(state)))
+    self.manager.wait_until_finished()
+
+  def latest(self) -> int | None:
+    return self.manager.latest_step()
+
+  def restore(self, step: int, like):
+    """The state saved at ``step``, with the structure and shardings of ``like``."""
+    target = jax.tree.map(ocp.utils.to_shape_dtype_struct, self._flat(like))
+    flat = self.manager.restore(step, args=ocp.args.StandardRestore(target))
+    return jax.tree.unflatten(jax.tree.structure(like), [flat[str(i)] for i in range(len(flat))])
+
+
+def load_final_params(workdir: str) -> Any:
+  """The parameters of the latest checkpoint in ``workdir`` (for tests and analysis)."""
+  workdir = pathlib.Path(workdir)
+  config = Config(**json.loads((workdir / "config.json").read_text()))
+  trainer = Trainer(config)
+  checkpoints = Checkpoints(workdir)
+  return checkpoints.restore(checkpoints.latest(), trainer.state)["params"]
+
+
+def prepare_workdir(config: Config) -> pathlib.Path:
+  """Creates ``workdir`` or checks that its checkpoint is of this configuration.
+
+  Raises ``app.UsageError`` (before anything is written) when it holds a
+  different one.
+  """
+  workdir = pathlib.Path(config.workdir)
+  saved = workdir / "config.json"
+  if saved.exists():
+    old = json.loads(saved.read_text())
+    old_training = {k: v for k, v in old.items() if k not in RUNTIME_ONLY}
+    changed = sorted(k for k in set(old_training) | set(config.training())
+                     if old_training.get(k) != config.training().get(k))
+    if changed:
+      raise app.UsageError(
+          f"--workdir={workdir} holds a run with other settings ({', '.join(changed)}: "
+          f"{[old_training.get(k) for k in changed]}); use another --workdir or the same flags.")
+  workdir.mkdir(parents=True, exist_ok=True)
+  saved.write_text(json.dumps(dataclasses.asdict(config), indent=1))
+  return workdir
+
+
+# ------------------------------------------------------------------ output ---
+
+
+def generate(model: Transformer, prompt: np.ndarray, length: int, seed: int) -> np.ndarray:
+  """Samples ``length`` tokens after ``prompt [L]``: one prefill, then token by token,
+  through the layers' decode caches (temperature 0.8)."""
+  model.init_cache(1, len(prompt) + length)
+  decode = nnx.jit(lambda m, tokens, position: m(tokens, position=position, decode=True))
+  logits = decode(model, jnp.asarray(prompt)[None], 0)
+  key = jax.random.key(seed)
+  out = []
+  for i in range(length):
+    token = jax.random.categorical(jax.random.fold_in(key, i), logits[0, -1] / 0.8)
+    out.append(int(token))
+    logits = decode(model, token.reshape(1, 1), len(prompt) + i)
+  return np.asarray(out, np.int32)
+
+
+def plot_curves(workdir: pathlib.Path, records: list[dict[str, Any]], title: str) -> None:
+  try:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    logging.warning("matplotlib is not installed: no curves.png.")
+    return
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  train = [r for r in records if "train_loss" in r]
+  evals = [r for r in records if "eval_loss" in r]
+  ax.plot([r["step"] for r in train], [r["train_loss"] for r in train], label="train loss")
+  ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval loss")
+  ax.set_xlabel("step")
+  ax.set_ylabel("cross-entropy (nats)")
+  ax.set_title(title, fontsize="medium")
+  ax.grid(True, alpha=0.3)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(workdir / "curves.png", dpi=120)
+  plt.close(fig)
+
+
+def _read_metrics(path: pathlib.Path, upto: int) -> list[dict[str, Any]]:
+  """The records of steps ``<= upto``: a killed run may have logged past its last
+  checkpoint, and may have been killed in the middle of a line."""
+  if not path.exists():
+    return []
+  records = []
+  for line in path.read_text().splitlines():
+    try:
+      records.append(json.loads(line))
+    except json.JSONDecodeError:  # A line cut short by the kill.
+      continue
+  return [r for r in records if r["step"] <= upto]
+
+
+def train(config: Config) -> dict[str, Any]:
+  """Runs (or resumes) training; returns the summary written to ``summary.json``."""
+  workdir = prepare_workdir(config)
+  trainer = Trainer(config)
+  checkpoints = Checkpoints(workdir)
+  start = checkpoints.latest() or 0
+  if start:
+    trainer.state = checkpoints.restore(start, trainer.state)
+    print(f"resumed from the checkpoint at step {start}", flush=True)
+  metrics_path = workdir / "metrics.jsonl"
+  records = _read_metrics(metrics_path, start)
+  metrics_path.write_text("".join(json.dumps(r) + "\n" for r in records))
+  task = data.TASKS[config.task]
+  params = sum(x.size for x in jax.tree.leaves(trainer.state["params"]))
+  print(f"{task.name} ({task.describe}); attention={config.attention} "
+        f"{config.attention_options or ''}; {params / 1e6:.2f}M parameters; "
+        f"{jax.local_device_count()} {jax.default_backend()} device(s)", flush=True)
+  tokens_per_step = config.batch_size * config.seq_len
+  began, last_time, last_step = time.perf_counter(), time.perf_counter(), start
+  for step in range(start, config.num_steps):
+    if config.redraw_every and step % config.redraw_every == 0 and step > 0:
+      trainer.redraw(step)
+    trainer.state, metrics = trainer.train_step(trainer.state, trainer.batch(step, data.TRAIN))
+    done = step + 1
+    record = None
+    if done % config.log_every == 0 or done == config.num_steps:
+      metrics = {k: float(v) for k, v in metrics.items()}
+      now = time.perf_counter()
+      rate = (done - last_step) * tokens_per_step / (now - last_time)
+      elapsed = now - began
+      left = elapsed / (done - start) * (config.num_steps - done)
+      print(f"step {done:>6}/{config.num_steps}  loss {metrics['loss']:.4f}  "
+            f"acc {metrics['accuracy']:.3f}  {rate:,.0f} tokens/s  elapsed {elapsed:.0f}s  "
+            f"left {left:.0f}s", flush=True)
+      record = {"step": done, "train_loss": metrics["loss"],
+                "train_accuracy": metrics["accuracy"], "tokens_per_s": rate}
+      last_time, last_step = now, done
+    if done % config.eval_every == 0 or done == config.num_steps:
+      record = {"step": done, **(record or {}), **trainer.evaluate()}
+      print("  eval: " + "  ".join(f"{k} {v:.4f}" for k, v in record.items()
+                                    if k.startswith("eval_")), flush=True)
+    if record is not None:
+      records.append(record)
+      with metrics_path.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+    if done % config.checkpoint_every == 0 or done == config.num_steps:
+      checkpoints.save(done, trainer.state)
+  summary = finish(config, workdir, trainer, records)
+  return summary
+
+
+def finish(config: Config, workdir: pathlib.Path, trainer: Trainer,
+           records: list[dict[str, Any]]) -> dict[str, Any]:
+  evals = [r for r in records if "eval_loss" in r]
+  summary = {"config": dataclasses.asdict(config), "final": evals[-1] if evals else None}
+  if config.task == "char_lm":
+    summary["unigram_entropy_bits"] = data.unigram_entropy_bits()
+  plot_curves(workdir, records, f"{config.task}, attention={config.attention}")
+  if evals:
+    print("final eval: " + "  ".join(f"{k} {v:.4f}" for k, v in evals[-1].items()
+                                     if k.startswith("eval_")), flush=True)
+  if config.task == "char_lm":
+    print(f"unigram entropy of the corpus: {summary['unigram_entropy_bits']:.3f} bits/char",
+          flush=True)
+    if config.sample_length:
+      _, valid = data.stdlib_corpus()
+      prompt_len = max(1, min(32, config.seq_len - config.sample_length))
+      length = min(config.sample_length, config.seq_len - prompt_len)
+      prompt = valid[1000:1000 + prompt_len].astype(np.int32)
+      sample = generate(trainer.model(), prompt, length, config.seed)
+      text = bytes(prompt.astype(np.uint8)).decode("utf-8", "replace") + " ▶ " + bytes(
+          sample.astype(np.uint8)).decode("utf-8", "replace")
+      (workdir / "sample.txt").write_text(text)
+      summary["sample"] = text
+      print("sample (prompt ▶ generated):\n" + text, flush=True)
+  (workdir / "summary.json").write_text(json.dumps(summary, indent=1))
+  print(f"wrote {workdir}/metrics.jsonl, curves.png, summary.json", flush=True)
+  return summary
+
+
+def main(argv: Sequence[str]) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  train(config_from_flags())
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,160 @@
+"""The training loop: tasks, smoke runs, exact resume after SIGKILL, data parallelism, errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from experiments import data, train
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TINY = dict(seq_len=16, batch_size=4, num_steps=3, learning_rate=1e-2, warmup_steps=1,
+            weight_decay=0.0, clip_norm=1.0, num_layers=1, model_dim=16, num_heads=2,
+            num_kv_heads=None, dtype="float32", seed=0, eval_every=3, eval_batches=1,
+            checkpoint_every=3, log_every=1, redraw_every=0, sample_length=4)
+TINY_FLAGS = [f"--{k}={v}" for k, v in TINY.items() if v is not None]
+
+
+def _config(tmp_path, **changes) -> train.Config:
+  fields = dict(TINY, attention="linear_elu", attention_options={}, task="char_lm",
+                workdir=str(tmp_path))
+  fields.update(changes)
+  return train.Config(**fields)
+
+
+@pytest.mark.parametrize("task, attention, options", [
+    ("char_lm", "linear_elu", {}),
+    ("mqar", "softmax", {}),
+    ("copy", "performer", {"num_features": 8}),
+    ("listops", "local", {"window_size": 4}),
+])
+def test_a_few_steps_of_every_task(tmp_path, task, attention, options):
+  summary = train.train(_config(tmp_path, task=task, attention=attention,
+                                attention_options=options,
+                                redraw_every=2 if attention == "performer" else 0))
+  records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in records] == [1, 2, 3]
+  assert all(np.isfinite(r["train_loss"]) for r in records)
+  assert np.isfinite(summary["final"]["eval_loss"])
+  assert (tmp_path / "curves.png").exists() and (tmp_path / "summary.json").exists()
+  if task == "char_lm":
+    assert "eval_bits_per_char" in summary["final"] and (tmp_path / "sample.txt").exists()
+
+
+def test_batches_are_a_function_of_seed_and_step():
+  for task in data.TASKS.values():
+    a, b = task.batch(3, 7, data.TRAIN, 4, 32), task.batch(3, 7, data.TRAIN, 4, 32)
+    c = task.batch(3, 8, data.TRAIN, 4, 32)
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+    assert not np.array_equal(a["inputs"], c["inputs"])
+
+
+def test_mqar_queries_ask_for_earlier_pairs():
+  batch = data.mqar_batch(0, 0, data.TRAIN, 3, 32)
+  for inputs, targets, weights in zip(batch["inputs"], batch["targets"], batch["weights"],
+                                      strict=True):
+    pairs = dict(zip(inputs[0:16:2], inputs[1:16:2], strict=True))
+    scored = np.flatnonzero(weights)
+    assert len(scored) == 8 and scored.min() >= 16
+    assert all(pairs[inputs[t]] == targets[t] for t in scored)
+
+
+def test_listops_labels():
+  assert data.listops_value(("[MAX", [2, 9, ("[MIN", [4, 7])])) == 9
+  assert data.listops_value(("[SM", [5, 7, 3])) == 5
+  assert data.listops_value(("[MED", [1, 8, 3, 4])) == 3
+  batch = data.listops_batch(0, 0, data.TRAIN, 8, 64)
+  assert batch["lengths"].max() <= 64 and set(batch["targets"]) <= set(range(10))
+
+
+def _run(*flags_, env=None, wait=True):
+  command = [sys.executable, "-m", "experiments.train", *flags_]
+  env = dict(os.environ, **(env or {}))
+  if wait:
+    return subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env,
+                          timeout=300, check=False)
+  return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL)
+
+
+def test_a_killed_run_resumes_to_the_same_parameters(tmp_path):
+  flags_ = TINY_FLAGS + ["--num_steps=40", "--checkpoint_every=5", "--log_every=5",
+                         "--eval_every=40", "--sample_length=0"]
+  whole = _run(*flags_, f"--workdir={tmp_path / 'whole'}")
+  assert whole.returncode == 0, whole.stderr[-2000:]
+  killed = tmp_path / "killed"
+  process = _run(*flags_, f"--workdir={killed}", wait=False)
+  deadline = time.time() + 240
+  while not (killed / "checkpoints" / "10").exists():  # Two checkpoints in, still running.
+    assert process.poll() is None and time.time() < deadline, "the run ended before the kill"
+    time.sleep(0.05)
+  process.send_signal(signal.SIGKILL)
+  process.wait()
+  assert not (killed / "summary.json").exists()
+  resumed = _run(*flags_, f"--workdir={killed}")
+  assert resumed.returncode == 0, resumed.stderr[-2000:]
+  assert "resumed from the checkpoint at step" in resumed.stdout
+  jax.tree.map(np.testing.assert_array_equal, train.load_final_params(str(killed)),
+               train.load_final_params(str(tmp_path / "whole")))
+  steps = [json.loads(line)["step"] for line in (killed / "metrics.jsonl").read_text().splitlines()]
+  assert steps == sorted(set(steps))  # No step logged twice across the kill.
+
+
+def test_four_devices_give_the_losses_of_one(tmp_path):
+  flags_ = TINY_FLAGS + ["--num_steps=4", "--batch_size=8", "--sample_length=0"]
+  losses = []
+  for devices in (1, 4):
+    out = tmp_path / str(devices)
+    result = _run(*flags_, f"--workdir={out}", env={
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"{devices} cpu device(s)" in result.stdout
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    losses.append([r["train_loss"] for r in records])
+  np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("--attention=nope", "--attention='nope' is unknown"),
+    ("--task=nope", "--task"),
+    ("--attention_options=window_size", "--attention_options does not parse"),
+    ("--attention_options=window_size=4", "unknown option `window_size`"),
+    ("--model_dim=0", "--model_dim must be positive"),
+    ("--redraw_every=5", "--redraw_every applies to random-feature attentions"),
+])
+def test_bad_flags_fail_with_one_line_naming_them(tmp_path, flag, message):
+  result = _run(*TINY_FLAGS, flag, f"--workdir={tmp_path / 'w'}")
+  assert result.returncode != 0
+  assert message in result.stderr
+  assert not (tmp_path / "w").exists()  # Nothing written.
+
+
+def test_a_workdir_of_another_configuration_is_left_alone(tmp_path):
+  first = _run(*TINY_FLAGS, "--num_steps=2", "--sample_length=0", f"--workdir={tmp_path}")
+  assert first.returncode == 0, first.stderr[-2000:]
+  before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+  other = _run(*TINY_FLAGS, "--num_steps=2", "--model_dim=32", f"--workdir={tmp_path}")
+  assert other.returncode != 0
+  assert "holds a run with other settings (model_dim" in other.stderr
+  assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+
+
+def test_compare_writes_a_table_and_curves(tmp_path):
+  from experiments import compare
+
+  base = _config(tmp_path, task="mqar", sample_length=0)
+  rows = compare.compare(base, ["softmax", "linear_elu"], {})
+  table = compare.write_table(rows, base, tmp_path / "comparison.md")
+  compare.plot(rows, tmp_path / "curves.png", "mqar")
+  assert "| softmax |" in table and "| linear_elu |" in table
+  assert all(r["train_step_temp_bytes"] > 0 and r["tokens_per_s"] > 0 for r in rows)
+  assert (tmp_path / "curves.png").exists()
