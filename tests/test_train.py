@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pathlib
@@ -103,7 +104,10 @@ def test_a_killed_run_resumes_to_the_same_parameters(tmp_path):
   resumed = _run(*flags_, f"--workdir={killed}")
   assert resumed.returncode == 0, resumed.stderr[-2000:]
   assert "resumed from the checkpoint at step" in resumed.stdout
-  jax.tree.map(np.testing.assert_array_equal, train.load_final_params(str(killed)),
+  # Bit for bit on CPU; GPU reductions need not be deterministic run to run.
+  same = np.testing.assert_array_equal if jax.default_backend() == "cpu" else functools.partial(
+      np.testing.assert_allclose, rtol=1e-5, atol=1e-7)
+  jax.tree.map(same, train.load_final_params(str(killed)),
                train.load_final_params(str(tmp_path / "whole")))
   steps = [json.loads(line)["step"] for line in (killed / "metrics.jsonl").read_text().splitlines()]
   assert steps == sorted(set(steps))  # No step logged twice across the kill.
