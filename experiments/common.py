@@ -42,3 +42,31 @@ def write_json(path: pathlib.Path, report: dict[str, Any]) -> None:
   tmp = path.with_suffix(".json.tmp")
   tmp.write_text(json.dumps(report, indent=1))
   tmp.replace(path)
+
+
+def plot_lines(path: pathlib.Path, series: dict[str, tuple[list, list]], *, xlabel: str,
+               ylabel: str, title: str, log_log: bool = False) -> bool:
+  """One line per ``label -> (xs, ys)`` in a PNG at ``path``; False without matplotlib."""
+  try:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    print(f"matplotlib is not installed: {path} not written.", flush=True)
+    return False
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  for label, (xs, ys) in series.items():
+    ax.plot(xs, ys, marker="o" if log_log or len(xs) < 20 else None, label=label)
+  if log_log:
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+  ax.set_xlabel(xlabel)
+  ax.set_ylabel(ylabel)
+  ax.set_title(title, fontsize="medium")
+  ax.grid(True, which="both", alpha=0.3)
+  ax.legend(fontsize="small")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return True

@@ -22,7 +22,7 @@ import jax
 from absl import app, flags
 
 import linattn_jax as la
-from experiments import data, train
+from experiments import common, data, train
 
 _ATTENTIONS = flags.DEFINE_list(
     "attentions", ["softmax", "linear_elu", "performer", "local"], "Variants to compare.")
@@ -74,24 +74,11 @@ def write_table(rows: list[dict[str, Any]], base: train.Config, path: pathlib.Pa
 
 
 def plot(rows: list[dict[str, Any]], path: pathlib.Path, title: str) -> None:
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  fig, ax = plt.subplots(figsize=(7, 4.5))
+  series = {}
   for r in rows:
-    train_records = [x for x in r["records"] if "train_loss" in x]
-    ax.plot([x["step"] for x in train_records], [x["train_loss"] for x in train_records],
-            label=r["attention"])
-  ax.set_xlabel("step")
-  ax.set_ylabel("train loss (nats)")
-  ax.set_title(title, fontsize="medium")
-  ax.grid(True, alpha=0.3)
-  ax.legend(fontsize="small")
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+    steps = [x for x in r["records"] if "train_loss" in x]
+    series[r["attention"]] = ([x["step"] for x in steps], [x["train_loss"] for x in steps])
+  common.plot_lines(path, series, xlabel="step", ylabel="train loss (nats)", title=title)
 
 
 def main(argv: Sequence[str]) -> None:

@@ -153,27 +153,14 @@ def run(attentions: Sequence[str], positions: Sequence[int],
 
 
 def plot(report: dict[str, Any], path: Any) -> None:
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  fig, ax = plt.subplots(figsize=(7, 5))
+  series = {}
   for name in dict.fromkeys(r["attention"] for r in report["records"]):
     ok = [r for r in report["records"] if r["attention"] == name and r["status"] == "ok"]
-    if ok:
-      ax.plot([r["position"] for r in ok], [r["step_s"] for r in ok], marker="o", label=name)
-  ax.set_xscale("log", base=2)
-  ax.set_yscale("log")
-  ax.set_xlabel("position P")
-  ax.set_ylabel("seconds per decoded token (median)")
-  ax.set_title(f"decode step, N={report['heads']} K={report['num_kv_heads']} "
-               f"H={report['head_dim']} B={report['batch']}", fontsize="medium")
-  ax.grid(True, which="both", alpha=0.3)
-  ax.legend(fontsize="small")
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+    series[name] = ([r["position"] for r in ok], [r["step_s"] for r in ok])
+  common.plot_lines(path, series, xlabel="position P",
+                    ylabel="seconds per decoded token (median)", log_log=True,
+                    title=f"decode step, N={report['heads']} K={report['num_kv_heads']} "
+                    f"H={report['head_dim']} B={report['batch']}")
 
 
 def main(argv: Sequence[str]) -> None:

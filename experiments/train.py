@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
-from absl import app, flags, logging
+from absl import app, flags
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -356,27 +356,12 @@ def generate(model: Transformer, prompt: np.ndarray, length: int, seed: int) -> 
 
 
 def plot_curves(workdir: pathlib.Path, records: list[dict[str, Any]], title: str) -> None:
-  try:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-  except ImportError:
-    logging.warning("matplotlib is not installed: no curves.png.")
-    return
-  fig, ax = plt.subplots(figsize=(7, 4.5))
-  train = [r for r in records if "train_loss" in r]
+  train_records = [r for r in records if "train_loss" in r]
   evals = [r for r in records if "eval_loss" in r]
-  ax.plot([r["step"] for r in train], [r["train_loss"] for r in train], label="train loss")
-  ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval loss")
-  ax.set_xlabel("step")
-  ax.set_ylabel("cross-entropy (nats)")
-  ax.set_title(title, fontsize="medium")
-  ax.grid(True, alpha=0.3)
-  ax.legend()
-  fig.tight_layout()
-  fig.savefig(workdir / "curves.png", dpi=120)
-  plt.close(fig)
+  common.plot_lines(workdir / "curves.png", {
+      "train loss": ([r["step"] for r in train_records], [r["train_loss"] for r in train_records]),
+      "eval loss": ([r["step"] for r in evals], [r["eval_loss"] for r in evals]),
+  }, xlabel="step", ylabel="cross-entropy (nats)", title=title)
 
 
 def _read_metrics(path: pathlib.Path, upto: int) -> list[dict[str, Any]]:
