@@ -276,6 +276,13 @@ class StaticArray:
             and np.array_equal(self.array, other.array))
 
 
+def prng_key(rng: Any) -> Any:
+  """A PRNG key from ``rng``: an int seed (None means 0) or a key, returned as is."""
+  if rng is None or (isinstance(rng, int | np.integer) and not isinstance(rng, bool)):
+    return jax.random.key(0 if rng is None else int(rng))
+  return rng
+
+
 def check_positive_int(value: Any, *, name: str, fn: str) -> int:
   """Checks a static positive integer option (block or chunk sizes)."""
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:

@@ -149,13 +149,10 @@ class MultiHeadAttention(nnx.Module):
                                  precision=precision, kernel_init=kernel_init,
                                  bias_init=bias_init, rngs=rngs)
     spec = get_spec(attention)
-    self.param_names: tuple[str, ...] = ()
     if spec.params is not None:
-      arrays = self._draw(rngs.params())
       kind = nnx.Param if spec.params.trainable else FeatureProjection
-      for name, array in arrays.items():
+      for name, array in self._draw(rngs.params()).items():
         setattr(self, name, kind(array.astype(param_dtype)))
-      self.param_names = tuple(arrays)
     self.cache = nnx.data(None)
 
   # -- variant-owned arrays ---------------------------------------------------
@@ -181,7 +178,9 @@ class MultiHeadAttention(nnx.Module):
 
   def _options(self) -> dict[str, Any]:
     """The variant's options plus its arrays (as data)."""
-    arrays = {name: getattr(self, name).get_value() for name in self.param_names}
+    params = get_spec(self.attention).params
+    names = () if params is None else params.names
+    arrays = {name: getattr(self, name).get_value() for name in names}
     return {**self.attention_options, **arrays}
 
   # -- calls ------------------------------------------------------------------

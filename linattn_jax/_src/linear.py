@@ -351,9 +351,8 @@ def _learned_map(rng: Any, num_features: int | None, weight: Any, bias: Any, hea
   """``projected(feature_weight, feature_bias)``, or, when both are None, one drawn
   from ``rng`` (None: seed 0)."""
   if weight is None and bias is None:
-    if rng is None or (isinstance(rng, int) and not isinstance(rng, bool)):
-      rng = jax.random.key(0 if rng is None else rng)
-    return projected(*_init_learned(rng, head_dim, num_features=num_features).values())
+    arrays = _init_learned(checks.prng_key(rng), head_dim, num_features=num_features)
+    return projected(*arrays.values())
   if weight is None or bias is None or rng is not None:
     raise ValueError(f"{fn}: give both `feature_weight` and `feature_bias`, or neither (then "
                      "they are drawn from `rng`); not `rng` with them.")

@@ -233,9 +233,8 @@ def _projection(rng: Any, num_features: int | None, projection: Any, head_dim: i
   key; None means seed 0.
   """
   if projection is None:
-    if rng is None or (isinstance(rng, int) and not isinstance(rng, bool)):
-      rng = jax.random.key(0 if rng is None else rng)
-    return _init_params(rng, head_dim, num_features=num_features)["projection"]
+    return _init_params(checks.prng_key(rng), head_dim,
+                        num_features=num_features)["projection"]
   if rng is not None:
     raise ValueError(f"{fn}: give `rng` (a seed to draw the projection from) or `projection`, "
                      "not both.")
