@@ -49,7 +49,7 @@ class Transformer(nnx.Module):
                attention_options: dict[str, Any], dtype: Any, rngs: nnx.Rngs):
     self.causal = num_classes is None
     self.embed = nnx.Embed(vocab_size, dim, dtype=dtype, rngs=rngs)
-    self.positions = nnx.Param(0.02 * jax.random.normal(rngs.params(), (max_len, dim)))
+    self.positions = nnx.Embed(max_len, dim, dtype=dtype, rngs=rngs)  # Same scale as tokens.
     self.blocks = nnx.List([
         Block(dim, num_heads=num_heads, num_kv_heads=num_kv_heads, attention=attention,
               attention_options=attention_options, dtype=dtype, rngs=rngs)
@@ -60,8 +60,7 @@ class Transformer(nnx.Module):
   def __call__(self, tokens: jax.Array, lengths: jax.Array | None = None, *,
                position: Any = 0, decode: bool = False) -> jax.Array:
     L = tokens.shape[1]
-    pos = jax.lax.dynamic_slice_in_dim(self.positions.get_value(), position, L, axis=0)
-    x = self.embed(tokens) + pos.astype(self.embed.dtype or jnp.float32)
+    x = self.embed(tokens) + self.positions(position + jnp.arange(L))
     for block in self.blocks:
       x = block(x, causal=self.causal, lengths=None if self.causal else lengths, decode=decode)
     x = self.norm(x)
