@@ -45,8 +45,11 @@ def write_json(path: pathlib.Path, report: dict[str, Any]) -> None:
 
 
 def plot_lines(path: pathlib.Path, series: dict[str, tuple[list, list]], *, xlabel: str,
-               ylabel: str, title: str, log_log: bool = False) -> bool:
-  """One line per ``label -> (xs, ys)`` in a PNG at ``path``; False without matplotlib."""
+               ylabel: str, title: str, log_x: bool = False, log_y: bool = False) -> bool:
+  """One line per ``label -> (xs, ys)`` in a PNG at ``path``; False without matplotlib.
+
+  ``log_x`` puts x on a base-2 log scale, ``log_y`` y on a base-10 one.
+  """
   try:
     import matplotlib
 
@@ -57,9 +60,10 @@ def plot_lines(path: pathlib.Path, series: dict[str, tuple[list, list]], *, xlab
     return False
   fig, ax = plt.subplots(figsize=(7, 4.5))
   for label, (xs, ys) in series.items():
-    ax.plot(xs, ys, marker="o" if log_log or len(xs) < 20 else None, label=label)
-  if log_log:
+    ax.plot(xs, ys, marker="o" if log_x or len(xs) < 20 else None, label=label)
+  if log_x:
     ax.set_xscale("log", base=2)
+  if log_y:
     ax.set_yscale("log")
   ax.set_xlabel(xlabel)
   ax.set_ylabel(ylabel)

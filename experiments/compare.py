@@ -3,11 +3,17 @@
     python -m experiments.compare --task=mqar --attentions=softmax,linear_elu,performer \\
         --seq_len=64 --num_steps=1500
 
-Every variant runs ``train.py``'s loop with the same flags (``--attention``
-and ``--attention_options`` aside; per-variant options come from
-``--options_by_attention``, a JSON object) in ``--workdir/<variant>``. Writes
+Every entry of ``--attentions`` runs ``train.py``'s loop with the same flags
+(``--attention`` and ``--attention_options`` aside) in ``--workdir/<entry>``.
+An entry is a registered name, optionally with a label after ``@`` so one
+variant can run with several options (``performer@16,performer@256``); its
+options come from ``--options_by_attention``, a JSON object keyed by entry
+(an entry without options of its own takes those of its bare name). Writes
 ``--workdir/comparison.md`` (final metric, tokens/s, compiled memory of the
-train step) and ``--workdir/curves.png`` (every variant's learning curve).
+train step, size of the decode state), ``--workdir/curves.png`` (every
+entry's learning curve) and, for causal tasks, ``--workdir/state.png`` (the
+final metric against the decode state's size, a line per variant: the
+state-size sweep of Zoology, Arora et al. 2023, when entries repeat a name).
 """
 
 from __future__ import annotations
@@ -19,16 +25,24 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from absl import app, flags
+from flax import nnx
 
 import linattn_jax as la
 from experiments import common, data, train
 
 _ATTENTIONS = flags.DEFINE_list(
-    "attentions", ["softmax", "linear_elu", "performer", "local"], "Variants to compare.")
+    "attentions", ["softmax", "linear_elu", "performer", "local"],
+    "Entries to compare: registered names, each optionally labelled as name@label.")
 _OPTIONS_BY_ATTENTION = flags.DEFINE_string(
     "options_by_attention", '{"local": {"window_size": [16, 0]}}',
-    "JSON object {attention: {option: value}}.")
+    "JSON object {entry or name: {option: value}}.")
+
+
+def attention_name(entry: str) -> str:
+  """The registered name of a ``name`` or ``name@label`` entry."""
+  return entry.split("@", 1)[0]
 
 
 def train_step_memory(config: train.Config) -> int | None:
@@ -39,35 +53,66 @@ def train_step_memory(config: train.Config) -> int | None:
   return getattr(analysis, "temp_size_in_bytes", None)
 
 
+def decode_state_floats(config: train.Config) -> int | None:
+  """Floats one example's decode cache holds in one layer after ``seq_len`` tokens.
+
+  The state a causal model recalls from: ``[M, D]`` (plus normaliser) per
+  head for the recurrent variants, keys and values for softmax. ``None`` for
+  classification (no decoding).
+  """
+  if not data.TASKS[config.task].causal:
+    return None
+
+  def cache():
+    model = train.make_model(config)
+    model.init_cache(1, config.seq_len)
+    return nnx.state(model, nnx.Cache)
+
+  leaves = jax.tree.leaves(jax.eval_shape(cache))
+  return sum(x.size for x in leaves if jnp.issubdtype(x.dtype, jnp.floating)) // config.num_layers
+
+
 def compare(base: train.Config, attentions: Sequence[str],
             options: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+  configs = {}
+  for entry in attentions:  # Every entry is checked before the first one trains.
+    name = attention_name(entry)
+    configs[entry] = dataclasses.replace(
+        base, attention=name, attention_options=options.get(entry, options.get(name, {})),
+        workdir=str(pathlib.Path(base.workdir) / entry))
+    train.check_model(configs[entry], f"--attentions entry {entry}")
   rows = []
-  for name in attentions:
-    config = dataclasses.replace(base, attention=name, attention_options=options.get(name, {}),
-                                 workdir=str(pathlib.Path(base.workdir) / name))
+  for entry, config in configs.items():
     summary = train.train(config)
     records = [json.loads(line) for line in
                (pathlib.Path(config.workdir) / "metrics.jsonl").read_text().splitlines()]
     rates = [r["tokens_per_s"] for r in records if "tokens_per_s" in r]
-    rows.append({"attention": name, "options": config.attention_options,
+    rows.append({"attention": entry, "options": config.attention_options,
                  "final": summary["final"], "tokens_per_s": sorted(rates)[len(rates) // 2],
-                 "train_step_temp_bytes": train_step_memory(config), "records": records})
+                 "train_step_temp_bytes": train_step_memory(config),
+                 "state_floats": decode_state_floats(config), "records": records})
   return rows
 
 
+def final_metric(task: str) -> str:
+  return "eval_bits_per_char" if task == "char_lm" else "eval_accuracy"
+
+
 def write_table(rows: list[dict[str, Any]], base: train.Config, path: pathlib.Path) -> str:
-  metric = "eval_bits_per_char" if base.task == "char_lm" else "eval_accuracy"
+  metric = final_metric(base.task)
   lines = [f"task `{base.task}`, seq_len {base.seq_len}, {base.num_steps} steps of "
            f"{base.batch_size}, model_dim {base.model_dim}, {base.num_layers} layers, "
            f"{base.num_heads} heads, seed {base.seed}", "",
            f"| attention | options | {metric} | eval loss | tokens/s (median) | "
-           "train-step temp MiB |", "|---|---|---|---|---|---|"]
+           "train-step temp MiB | decode state per layer (floats) |",
+           "|---|---|---|---|---|---|---|"]
   for r in rows:
-    mem = r["train_step_temp_bytes"]
+    mem, state = r["train_step_temp_bytes"], r["state_floats"]
     lines.append(f"| {r['attention']} | `{json.dumps(r['options'])}` | "
                  f"{r['final'][metric]:.4f} | {r['final']['eval_loss']:.4f} | "
                  f"{r['tokens_per_s']:,.0f} | "
-                 f"{'-' if mem is None else f'{mem / 2**20:.1f}'} |")
+                 f"{'-' if mem is None else f'{mem / 2**20:.1f}'} | "
+                 f"{'-' if state is None else f'{state:,}'} |")
   text = "\n".join(lines) + "\n"
   path.write_text(text)
   return text
@@ -81,10 +126,23 @@ def plot(rows: list[dict[str, Any]], path: pathlib.Path, title: str) -> None:
   common.plot_lines(path, series, xlabel="step", ylabel="train loss (nats)", title=title)
 
 
+def plot_state(rows: list[dict[str, Any]], metric: str, path: pathlib.Path, title: str) -> bool:
+  """Final ``metric`` against decode-state size, a line per registered variant."""
+  series: dict[str, tuple[list, list]] = {}
+  for r in sorted(rows, key=lambda r: r["state_floats"] or 0):
+    if r["state_floats"] is not None:
+      xs, ys = series.setdefault(attention_name(r["attention"]), ([], []))
+      xs.append(r["state_floats"])
+      ys.append(r["final"][metric])
+  return bool(series) and common.plot_lines(
+      path, series, xlabel="decode state per layer and example (floats)", ylabel=metric,
+      title=title, log_x=True)
+
+
 def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-  unknown = [a for a in _ATTENTIONS.value if a not in la.available_attentions()]
+  unknown = [a for a in _ATTENTIONS.value if attention_name(a) not in la.available_attentions()]
   if unknown:
     raise app.UsageError(f"--attentions {unknown} are unknown; available: "
                          f"{la.available_attentions()}.")
@@ -92,12 +150,20 @@ def main(argv: Sequence[str]) -> None:
     options = json.loads(_OPTIONS_BY_ATTENTION.value)
   except json.JSONDecodeError as e:
     raise app.UsageError(f"--options_by_attention is not JSON: {e}") from e
+  if not isinstance(options, dict) or set(options) - set(_ATTENTIONS.value) - {
+      attention_name(a) for a in _ATTENTIONS.value}:
+    raise app.UsageError("--options_by_attention must be a JSON object keyed by entries of "
+                         f"--attentions; got {_OPTIONS_BY_ATTENTION.value}.")
   base = train.config_from_flags()
+  train.quiet_orbax()
   rows = compare(base, _ATTENTIONS.value, options)
   out = pathlib.Path(base.workdir)
   print(write_table(rows, base, out / "comparison.md"), flush=True)
   plot(rows, out / "curves.png", f"{base.task}: train loss")
-  print(f"wrote {out / 'comparison.md'} and {out / 'curves.png'}", flush=True)
+  wrote = [out / "comparison.md", out / "curves.png"]
+  if plot_state(rows, final_metric(base.task), out / "state.png", f"{base.task}: state size"):
+    wrote.append(out / "state.png")
+  print(f"wrote {', '.join(map(str, wrote))}", flush=True)
 
 
 if __name__ == "__main__":

@@ -158,7 +158,7 @@ def plot(report: dict[str, Any], path: Any) -> None:
     ok = [r for r in report["records"] if r["attention"] == name and r["status"] == "ok"]
     series[name] = ([r["position"] for r in ok], [r["step_s"] for r in ok])
   common.plot_lines(path, series, xlabel="position P",
-                    ylabel="seconds per decoded token (median)", log_log=True,
+                    ylabel="seconds per decoded token (median)", log_x=True, log_y=True,
                     title=f"decode step, N={report['heads']} K={report['num_kv_heads']} "
                     f"H={report['head_dim']} B={report['batch']}")
 
