@@ -21,11 +21,13 @@ class Block(nnx.Module):
   """``x + attn(norm(x))``, then ``x + mlp(norm(x))`` (GELU, 4x width)."""
 
   def __init__(self, dim: int, *, num_heads: int, num_kv_heads: int | None, attention: str,
-               attention_options: dict[str, Any], dtype: Any, rngs: nnx.Rngs):
+               attention_options: dict[str, Any], dtype: Any, context_parallel: Any,
+               rngs: nnx.Rngs):
     self.attn_norm = nnx.LayerNorm(dim, dtype=dtype, rngs=rngs)
     self.attn = nn.MultiHeadAttention(num_heads, dim, num_kv_heads=num_kv_heads,
                                       attention=attention, attention_options=attention_options,
-                                      dtype=dtype, rngs=rngs)
+                                      dtype=dtype, context_parallel=context_parallel,
+                                      rngs=rngs)
     self.mlp_norm = nnx.LayerNorm(dim, dtype=dtype, rngs=rngs)
     self.mlp_in = nnx.Linear(dim, 4 * dim, dtype=dtype, rngs=rngs)
     self.mlp_out = nnx.Linear(4 * dim, dim, dtype=dtype, rngs=rngs)
@@ -42,17 +44,21 @@ class Transformer(nnx.Module):
   ``__call__(tokens [B, L], lengths=None, position=0, decode=False)`` returns
   logits ``[B, L, vocab]`` (decoder) or ``[B, num_classes]`` (encoder).
   ``position`` is the absolute position of ``tokens[:, 0]`` (decoding).
+  With ``context_parallel`` (a ``linattn_jax.parallel.ContextParallel``)
+  every layer's attention splits the sequence over that mesh axis.
   """
 
   def __init__(self, *, vocab_size: int, num_classes: int | None, max_len: int, dim: int,
                num_layers: int, num_heads: int, num_kv_heads: int | None, attention: str,
-               attention_options: dict[str, Any], dtype: Any, rngs: nnx.Rngs):
+               attention_options: dict[str, Any], dtype: Any, context_parallel: Any = None,
+               rngs: nnx.Rngs):
     self.causal = num_classes is None
     self.embed = nnx.Embed(vocab_size, dim, dtype=dtype, rngs=rngs)
     self.positions = nnx.Embed(max_len, dim, dtype=dtype, rngs=rngs)  # Same scale as tokens.
     self.blocks = nnx.List([
         Block(dim, num_heads=num_heads, num_kv_heads=num_kv_heads, attention=attention,
-              attention_options=attention_options, dtype=dtype, rngs=rngs)
+              attention_options=attention_options, dtype=dtype,
+              context_parallel=context_parallel, rngs=rngs)
         for _ in range(num_layers)])
     self.norm = nnx.LayerNorm(dim, dtype=dtype, rngs=rngs)
     self.head = nnx.Linear(dim, num_classes or vocab_size, dtype=dtype, rngs=rngs)

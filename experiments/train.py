@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging as std_logging
 import math
 import pathlib
 import time
@@ -28,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
-from absl import app, flags
+from absl import app, flags, logging
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -36,6 +37,7 @@ from jax.sharding import PartitionSpec as P
 import linattn_jax as la
 from experiments import common, data
 from experiments.model import Transformer
+from linattn_jax import parallel
 
 _ATTENTION = flags.DEFINE_string("attention", "linear_elu", "A registered attention name.")
 _ATTENTION_OPTIONS = flags.DEFINE_string(
@@ -66,10 +68,13 @@ _REDRAW_EVERY = flags.DEFINE_integer(
     "redraw_every", 0, "Redraw random features every this many steps (0: never; "
     "performer and random_fourier only).")
 _SAMPLE_LENGTH = flags.DEFINE_integer("sample_length", 96, "Generated characters (char_lm).")
+_CONTEXT_PARALLEL = flags.DEFINE_integer(
+    "context_parallel", 1, "Devices each sequence is split over (ring attention for softmax "
+    "and flash, state passing for recurrent variants); the batch is split over the rest.")
 
 # Flags that do not change what is trained: a resumed run may change them.
 RUNTIME_ONLY = ("workdir", "eval_every", "eval_batches", "checkpoint_every", "log_every",
-                "sample_length")
+                "sample_length", "context_parallel")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +102,7 @@ class Config:
   log_every: int
   redraw_every: int
   sample_length: int
+  context_parallel: int = 1
 
   def training(self) -> dict[str, Any]:
     """The fields that define what is trained (compared on resume)."""
@@ -159,10 +165,20 @@ def config_from_flags() -> Config:
     raise app.UsageError(f"--learning_rate must be positive; got {_LEARNING_RATE.value}.")
   if _DTYPE.value not in ("float32", "bfloat16"):
     raise app.UsageError(f"--dtype={_DTYPE.value}: training runs in float32 or bfloat16.")
-  devices = jax.local_device_count()
-  if _BATCH_SIZE.value % devices:
-    raise app.UsageError(f"--batch_size={_BATCH_SIZE.value} must divide over the {devices} "
-                         "local devices.")
+  devices, split = jax.local_device_count(), _CONTEXT_PARALLEL.value
+  if split < 1 or devices % split:
+    raise app.UsageError(f"--context_parallel={split} must divide the {devices} local devices.")
+  if _BATCH_SIZE.value % (devices // split):
+    raise app.UsageError(f"--batch_size={_BATCH_SIZE.value} must divide over the "
+                         f"{devices // split} data-parallel device groups.")
+  if _SEQ_LEN.value % split:
+    raise app.UsageError(f"--seq_len={_SEQ_LEN.value} must be a multiple of "
+                         f"--context_parallel={split}.")
+  if split > 1:
+    try:
+      parallel.ContextParallel.check(_ATTENTION.value, options)
+    except ValueError as e:
+      raise app.UsageError(f"--context_parallel={split}: {e}") from e
   task = data.TASKS[_TASK.value]
   if not task.causal and not la.get_spec(_ATTENTION.value).supports_noncausal:
     raise app.UsageError(f"--task={task.name} classifies with a bidirectional encoder; "
@@ -173,24 +189,39 @@ def config_from_flags() -> Config:
                          f"--attention={_ATTENTION.value} has none.")
   config = Config(**{f.name: flags.FLAGS[f.name].value for f in dataclasses.fields(Config)
                      if f.name != "attention_options"}, attention_options=options)
-  try:  # Builds the model abstractly: bad options or sizes fail here, before any write.
+  check_model(config, "--attention_options / sizes")
+  return config
+
+
+def check_model(config: Config, what: str) -> None:
+  """Builds the model abstractly, so bad options or sizes fail before any write."""
+  try:
     jax.eval_shape(lambda: nnx.split(make_model(config)))
   except ValueError as e:
-    raise app.UsageError(f"--attention_options / sizes: {e}") from e
-  return config
+    raise app.UsageError(f"{what}: {e}") from e
 
 
 # ---------------------------------------------------------------- training ---
 
 
+def make_mesh(config: Config) -> jax.sharding.Mesh:
+  """Devices as ``(data, context)``: the batch splits over data, sequences over context."""
+  devices = jax.local_device_count()
+  return jax.make_mesh((devices // config.context_parallel, config.context_parallel),
+                       ("data", "context"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
 def make_model(config: Config, seed: int | None = None) -> Transformer:
   task = data.TASKS[config.task]
+  split = None
+  if config.context_parallel > 1:
+    split = parallel.ContextParallel(make_mesh(config), "context")
   return Transformer(
       vocab_size=task.vocab_size, num_classes=task.num_classes, max_len=config.seq_len,
       dim=config.model_dim, num_layers=config.num_layers, num_heads=config.num_heads,
       num_kv_heads=config.num_kv_heads, attention=config.attention,
       attention_options=config.attention_options, dtype=jnp.dtype(config.dtype),
-      rngs=nnx.Rngs(config.seed if seed is None else seed))
+      context_parallel=split, rngs=nnx.Rngs(config.seed if seed is None else seed))
 
 
 def make_optimizer(config: Config) -> optax.GradientTransformation:
@@ -225,10 +256,11 @@ class Trainer:
     self.config = config
     self.graphdef, params, rest = nnx.split(make_model(config), nnx.Param, ...)
     self.tx = make_optimizer(config)
-    mesh = jax.make_mesh((jax.local_device_count(),), ("data",),
-                         axis_types=(jax.sharding.AxisType.Auto,))
+    mesh = make_mesh(config)
     self.replicated = NamedSharding(mesh, P())
-    self.sharded = NamedSharding(mesh, P("data"))
+    # Examples over data; token positions over context (one device group per sequence).
+    self.sharded = {1: NamedSharding(mesh, P("data")),
+                    2: NamedSharding(mesh, P("data", "context"))}
     self.state = jax.device_put(
         {"params": params, "rest": rest, "opt_state": self.tx.init(params)}, self.replicated)
     self.train_step = jax.jit(self._train_step, donate_argnums=0)
@@ -250,8 +282,8 @@ class Trainer:
   def batch(self, step: int, split: int) -> dict[str, jax.Array]:
     c = self.config
     task = data.TASKS[c.task]
-    return jax.device_put(task.batch(c.seed, step, split, c.batch_size, c.seq_len),
-                          self.sharded)
+    batch = task.batch(c.seed, step, split, c.batch_size, c.seq_len)
+    return {k: jax.device_put(x, self.sharded[x.ndim]) for k, x in batch.items()}
 
   def model(self) -> Transformer:
     return nnx.merge(self.graphdef, self.state["params"], self.state["rest"])
@@ -278,6 +310,12 @@ class Trainer:
 
 
 # ------------------------------------------------------------- checkpoints ---
+
+
+def quiet_orbax() -> None:
+  """Drops orbax's per-save INFO lines from absl's log; its warnings still show."""
+  logging.get_absl_handler().addFilter(
+      lambda record: record.levelno >= std_logging.WARNING or "orbax" not in record.pathname)
 
 
 class Checkpoints:
@@ -461,6 +499,7 @@ def finish(config: Config, workdir: pathlib.Path, trainer: Trainer,
 def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  quiet_orbax()
   train(config_from_flags())
 
 

@@ -8,15 +8,21 @@ optimised code, run with e.g. ``XLA_FLAGS=`` (empty) set.
 
 Float32 matrix products run at full precision: the parity tolerances are
 float32's. (GPUs otherwise multiply float32 in TF32, with 10-bit mantissas.)
+
+The CPU platform has 8 devices, for the context-parallel tests; everything
+else runs on the first (the training loop's data mesh spans all 8).
+Subprocesses choose their own count.
 """
 
 import os
 
+import jax
 import pytest
 
 os.environ.setdefault(
     "XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
+jax.config.update("jax_num_cpu_devices", 8)
 
 
 def pytest_addoption(parser):

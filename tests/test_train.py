@@ -14,11 +14,12 @@ import time
 import jax
 import numpy as np
 import pytest
+from absl import app
 
 from experiments import data, train
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-TINY = dict(seq_len=16, batch_size=4, num_steps=3, learning_rate=1e-2, warmup_steps=1,
+TINY = dict(seq_len=16, batch_size=8, num_steps=3, learning_rate=1e-2, warmup_steps=1,
             weight_decay=0.0, clip_norm=1.0, num_layers=1, model_dim=16, num_heads=2,
             num_kv_heads=None, dtype="float32", seed=0, eval_every=3, eval_batches=1,
             checkpoint_every=3, log_every=1, redraw_every=0, sample_length=4)
@@ -152,13 +153,32 @@ def test_a_workdir_of_another_configuration_is_left_alone(tmp_path):
   assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
 
 
-def test_compare_writes_a_table_and_curves(tmp_path):
+def test_compare_writes_a_table_curves_and_a_state_sweep(tmp_path):
   from experiments import compare
 
   base = _config(tmp_path, task="mqar", sample_length=0)
-  rows = compare.compare(base, ["softmax", "linear_elu"], {})
+  entries = ["softmax", "linear_learned@4", "linear_learned@8"]
+  rows = compare.compare(base, entries, {"linear_learned@4": {"num_features": 4},
+                                         "linear_learned": {"num_features": 8}})
   table = compare.write_table(rows, base, tmp_path / "comparison.md")
   compare.plot(rows, tmp_path / "curves.png", "mqar")
-  assert "| softmax |" in table and "| linear_elu |" in table
+  assert compare.plot_state(rows, "eval_accuracy", tmp_path / "state.png", "mqar")
+  for entry in entries:
+    assert f"| {entry} |" in table
   assert all(r["train_step_temp_bytes"] > 0 and r["tokens_per_s"] > 0 for r in rows)
-  assert (tmp_path / "curves.png").exists()
+  assert (tmp_path / "curves.png").exists() and (tmp_path / "state.png").exists()
+  # Decode state per layer and example: keys and values at every position for
+  # softmax; [M, H] plus an [M] normaliser per head for linear attention.
+  N, H = base.num_heads, base.model_dim // base.num_heads
+  assert [r["state_floats"] for r in rows] == [
+      2 * base.seq_len * base.model_dim, N * (4 * H + 4), N * (8 * H + 8)]
+  assert (tmp_path / "linear_learned@8" / "summary.json").exists()
+
+
+def test_compare_checks_every_entry_before_training(tmp_path):
+  from experiments import compare
+
+  base = _config(tmp_path, task="mqar", sample_length=0)
+  with pytest.raises(app.UsageError, match="entry performer@x: .*num_feature"):
+    compare.compare(base, ["softmax", "performer@x"], {"performer@x": {"num_feature": 4}})
+  assert not any(tmp_path.iterdir())

@@ -131,7 +131,8 @@ def _forward(cfg: _Config, q, k, v, q_len, kv_len):
       )
 
     lo, hi = cfg.key_block_range(i, q_len, kv_len)
-    carry = lax.fori_loop(lo, hi, visit, init_softmax_carry((B, K, G, cfg.block_q), D, acc))
+    carry = lax.fori_loop(lo, hi, visit,
+                          init_softmax_carry((B, K, G, cfg.block_q), D, acc, like=q_blk))
     return online_softmax_finish(carry)
 
   out, lse = lax.map(one_query_block, (jnp.arange(cfg.num_q_blocks), q_blocks))
@@ -170,11 +171,11 @@ def _backward(cfg: _Config, residuals, d_out):
       return d_q, d_k, d_v
 
     lo, hi = cfg.query_block_range(j, q_len, kv_len)
-    init = (d_q, jnp.zeros(k_blk.shape, acc), jnp.zeros(v_blk.shape, acc))
+    init = (d_q, jnp.zeros_like(k_blk, acc), jnp.zeros_like(v_blk, acc))
     d_q, d_k, d_v = lax.fori_loop(lo, hi, visit, init)
     return d_q, (d_k, d_v)
 
-  d_q0 = jnp.zeros(q_blocks.shape, acc)
+  d_q0 = jnp.zeros_like(q_blocks, acc)  # *_like: device-varying as q (shard_map).
   d_q, (d_k, d_v) = lax.scan(
       one_key_block, d_q0, (jnp.arange(cfg.num_k_blocks), k_blocks, v_blocks)
   )

@@ -36,6 +36,7 @@ from jax import lax
 
 from linattn_jax._src import checks
 from linattn_jax._src.online_softmax import safe_divide
+from linattn_jax._src.parallel import ContextParallel
 from linattn_jax._src.registry import AttentionSpec, accepted, get_spec
 
 default_kernel_init = initializers.lecun_normal()
@@ -102,12 +103,16 @@ class MultiHeadAttention(nnx.Module):
       variant's arrays, which the layer owns.
     use_bias, dtype, param_dtype, precision, kernel_init, bias_init: as in
       ``flax.nnx.MultiHeadAttention`` (``dtype`` is the computation dtype).
+    context_parallel: a ``linattn_jax.parallel.ContextParallel`` (a mesh and
+      the axis that splits the sequence): self-attention calls then run
+      with context parallelism, ring attention for softmax and flash, the
+      state-passing form for recurrent variants. Decoding is unaffected.
     rngs: ``nnx.Rngs``; ``rngs.params()`` draws the weights and projections.
 
   Raises:
     ValueError: for an unknown variant or option, an option the layer owns,
-      a required option left out, ``qkv_features`` not divisible by N, or N
-      not divisible by K.
+      a required option left out, ``qkv_features`` not divisible by N, N
+      not divisible by K, or a variant ``context_parallel`` cannot run.
 
   Examples:
     >>> layer = MultiHeadAttention(4, 32, attention="linear_elu", rngs=nnx.Rngs(0))
@@ -120,7 +125,8 @@ class MultiHeadAttention(nnx.Module):
                attention: str = "softmax", attention_options: Mapping[str, Any] | None = None,
                use_bias: bool = True, dtype: Any = None, param_dtype: Any = jnp.float32,
                precision: Any = None, kernel_init: Any = default_kernel_init,
-               bias_init: Any = default_bias_init, rngs: nnx.Rngs):
+               bias_init: Any = default_bias_init, context_parallel: Any = None,
+               rngs: nnx.Rngs):
     fn = "MultiHeadAttention"
     N = checks.check_positive_int(num_heads, name="num_heads", fn=fn)
     K = N if num_kv_heads is None else checks.check_positive_int(
@@ -137,6 +143,12 @@ class MultiHeadAttention(nnx.Module):
     self.attention = attention
     self.attention_options = _check_attention_options(attention, attention_options or {})
     self.cache_kind = cache_kind(attention)
+    if context_parallel is not None:
+      if not isinstance(context_parallel, ContextParallel):
+        raise ValueError(f"{fn}: context_parallel must be a linattn_jax.parallel."
+                         f"ContextParallel; got {type(context_parallel).__name__}.")
+      context_parallel.check(attention, self.attention_options)
+    self.context_parallel = context_parallel
 
     def proj(heads: int) -> nnx.LinearGeneral:
       return nnx.LinearGeneral(in_features, (heads, self.head_dim), use_bias=use_bias,
@@ -228,6 +240,10 @@ class MultiHeadAttention(nnx.Module):
                          "pass is_causal=True, no inputs_k/inputs_v and no "
                          "key_value_seq_lengths.")
       out = self._decode(q, k, v)
+    elif self.context_parallel is not None:
+      out = self.context_parallel.attend(self.attention, q, k, v, is_causal=is_causal,
+                                         key_value_seq_lengths=key_value_seq_lengths,
+                                         **self._options())
     else:
       attend = get_spec(self.attention).function
       out = attend(q, k, v, is_causal=is_causal, key_value_seq_lengths=key_value_seq_lengths,

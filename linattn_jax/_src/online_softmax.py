@@ -34,13 +34,19 @@ class SoftmaxCarry(NamedTuple):
 
 
 def init_softmax_carry(
-    rows_shape: tuple[int, ...], value_dim: int, dtype: Any = jnp.float32
+    rows_shape: tuple[int, ...], value_dim: int, dtype: Any = jnp.float32, *, like: Any = None
 ) -> SoftmaxCarry:
-  """Empty carry for ``rows_shape`` rows and value dim ``value_dim``."""
+  """Empty carry for ``rows_shape`` rows and value dim ``value_dim``.
+
+  ``like``: an input array the carry is built from (``*_like``), so that
+  inside ``shard_map`` it varies over the same devices as the inputs and a
+  loop carrying it keeps one type.
+  """
+  like = jnp.zeros((), dtype) if like is None else like
   return SoftmaxCarry(
-      row_max=jnp.full(rows_shape, -jnp.inf, dtype),
-      row_sum=jnp.zeros(rows_shape, dtype),
-      acc=jnp.zeros(rows_shape + (value_dim,), dtype),
+      row_max=jnp.full_like(like, -jnp.inf, dtype, shape=rows_shape),
+      row_sum=jnp.zeros_like(like, dtype, shape=rows_shape),
+      acc=jnp.zeros_like(like, dtype, shape=rows_shape + (value_dim,)),
   )
 
 

@@ -427,8 +427,8 @@ def as_carry(state) -> Carry:
   ``running_max`` is per key (``[..., K]``) or per feature (``[..., K, M]``, the
   shape of ``k_sum``); a state without one (plain maps) is in units of ``exp(0)``.
   """
-  if "running_max" not in type(state)._fields:
-    return Carry(state.kv, state.k_sum, jnp.zeros(jnp.shape(state.k_sum)[:-1] + (1,)))
+  if "running_max" not in type(state)._fields:  # zeros_like: as device-varying as k_sum.
+    return Carry(state.kv, state.k_sum, jnp.zeros_like(jnp.asarray(state.k_sum)[..., :1]))
   rm = jnp.asarray(state.running_max)
   return Carry(state.kv, state.k_sum, rm if rm.ndim == jnp.ndim(state.k_sum) else rm[..., None])
 

@@ -1,0 +1,592 @@
+"""Context parallelism: attention over a sequence sharded along its length.
+
+A sequence of T tokens is split over the P devices of one mesh axis; device
+i holds the L = T / P tokens ``[i·L, (i+1)·L)`` (the sequence is padded at
+its end to a multiple of P, and the padding is hidden as keys and dropped
+as queries). Both methods run under ``jax.shard_map``, manual over that axis
+only: other mesh axes stay automatic, so a batch sharded for data
+parallelism stays sharded.
+
+**Recurrent variants** (:func:`context_parallel_attention`). Keys fold into
+a fixed-size state and states of consecutive spans combine associatively
+(the registry's ``summarize`` and ``combine``). Device i summarises its own
+keys, ``s_i``, and needs the exclusive prefix ``s_0 ∘ … ∘ s_{i-1}``: one
+``ppermute`` shifts every summary one device on, then a Hillis–Steele scan
+(``ceil(log2(P - 1))`` rounds; in round r, device i combines what device
+``i - 2^r`` holds into its own) completes it. Each round sends one state,
+``[B, K, M, D]`` and its normaliser, so the communication per device does
+not depend on T. The device then runs the variant's own causal pass over its
+tokens from that prefix (``initial_state``). Non-causal attention reads the
+state of all keys: the last device's inclusive prefix, broadcast with a
+``psum``, read by a causal pass with the local keys hidden (they are in
+it already).
+
+**Exact softmax** (:func:`ring_attention`). Keys and values travel around
+the ring (``ppermute`` to device ``i + 1``) in P - 1 steps; each step's
+block is attended by flash attention and merged into the running output by
+its log-sum-exp (an online softmax over blocks). The backward pass is a
+``custom_vjp`` that runs the ring again, recomputing each block (the
+FlashAttention-2 backward) with the key/value gradients travelling with
+their keys, and one last step home; it saves only the local inputs, the
+output and the log-sum-exp, so memory per device is proportional to L.
+Causal attention would leave device 0 idle after its first block and the
+last device busy at every step. The zig-zag order balances it: the sequence
+is cut into 2P chunks and device i holds chunks i and 2P - 1 - i. At the
+step where it holds device j's keys, j < i: both its chunks see j's first
+chunk in full; j > i: only its second chunk sees both of j's chunks in full.
+Either way a step costs two chunk-by-chunk blocks and masks nothing; blocks
+that are fully masked are never computed.
+
+Both are differentiable; collectives carry states (recurrent) or key/value
+blocks (ring), never the queries or outputs.
+
+References:
+  Hillis & Steele, "Data parallel algorithms", 1986 (the scan).
+  Liu, Zaharia & Abbeel, "Ring Attention with Blockwise Transformers for
+  Near-Infinite Context", 2023.
+  Brandon et al., "Striped Attention: Faster Ring Attention for Causal
+  Transformers", 2023; the zig-zag order of Zhu's ring-flash-attention and
+  Llama 3's context parallelism (Dubey et al., 2024) is the variant used here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from linattn_jax._src import checks, flash
+from linattn_jax._src.online_softmax import exponent_shift, safe_divide
+from linattn_jax._src.registry import accepted, available_attentions, get_spec
+
+_RESERVED = ("initial_state", "return_state", "key_value_seq_lengths", "is_causal")
+
+
+def recurrent_attentions() -> list[str]:
+  """Registered variants :func:`context_parallel_attention` runs (those with ``summarize``)."""
+  return [name for name in available_attentions()
+          if (s := get_spec(name).streaming) is not None and s.summarize is not None]
+
+
+def _axis_size(mesh: Any, axis_name: Any, fn: str) -> int:
+  if not isinstance(mesh, Mesh):
+    raise ValueError(f"{fn}: mesh must be a jax.sharding.Mesh; got {type(mesh).__name__}.")
+  if axis_name not in mesh.shape:
+    raise ValueError(f"{fn}: axis_name={axis_name!r} is not an axis of the mesh "
+                     f"{dict(mesh.shape)}.")
+  return mesh.shape[axis_name]
+
+
+def _prepare(query, key, value, lengths, *, fn: str):
+  """Validated, batched arrays and ``lengths [B]`` int32 (T where none were given)."""
+  p = checks.prepare_qkv(query, key, value, fn=fn)
+  B, T, S = p.dims.B, p.dims.T, p.dims.S
+  if T != S:
+    raise ValueError(f"{fn}: context parallelism splits one sequence of self-attention; "
+                     f"query length T={T} must equal key length S={S}.")
+  (lengths,) = checks.check_lengths(p, fn=fn, key_value_seq_lengths=lengths).values()
+  lengths = jnp.full((B,), T, jnp.int32) if lengths is None else jnp.minimum(lengths, T)
+  return p, lengths
+
+
+def _sharded(local: Any, p: checks.Prepared, lengths: jax.Array, replicated: Any, *,
+             mesh: Mesh, axis_name: Any, zigzag: bool) -> jax.Array:
+  """``local(q, k, v, lengths, replicated)`` with T split over ``axis_name``; the output.
+
+  T is padded at its end to a multiple of P (2P in zig-zag order: each
+  device's block is reordered to it by :func:`_reorder`, and the output
+  back); ``replicated`` goes to
+  every device whole. ``shard_map`` is manual over ``axis_name`` only: other
+  mesh axes stay automatic, so a batch sharded over them stays so. On a mesh
+  whose axes are Explicit, this runs under ``jax.sharding.auto_axes``, and
+  the output keeps the batch's sharding and is split along T over
+  ``axis_name`` where P divides T.
+  """
+  T, P_ = p.dims.T, mesh.shape[axis_name]
+  explicit = tuple(a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+                   if t == AxisType.Explicit)
+
+  def reordered(q, k, v, lengths, replicated):
+    q, k, v = (_reorder(x, axis_name, P_, inverse=False) for x in (q, k, v))
+    return _reorder(local(q, k, v, lengths, replicated), axis_name, P_, inverse=True)
+
+  def run(q, k, v, lengths, replicated):
+    pad = -T % (2 * P_ if zigzag else P_)
+    q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
+    seq = P(None, axis_name)
+    out = jax.shard_map(reordered if zigzag else local,
+                        mesh=jax.sharding.get_abstract_mesh() if explicit else mesh,
+                        in_specs=(seq, seq, seq, P(), P()), out_specs=seq,
+                        axis_names={axis_name})(q, k, v, lengths, replicated)
+    return out[:, :T] if pad else out
+
+  args = (p.query, p.key, p.value, lengths, replicated)
+  if not explicit:
+    return run(*args)
+  spec = getattr(jax.typeof(p.query).sharding, "spec", ())
+  batch = spec[0] if len(spec) else None
+  out = P(batch, axis_name if T % P_ == 0 and batch != axis_name else None)
+  return jax.sharding.auto_axes(run, axes=explicit, out_sharding=NamedSharding(mesh, out))(*args)
+
+
+def _zigzag_routes(P_: int) -> list[tuple[int, int, list[tuple[int, int]]]]:
+  """How contiguous chunks reach zig-zag order: ``(from_slot, to_slot, pairs)``.
+
+  Contiguously device d holds chunks 2d and 2d + 1 (slots 0 and 1); in
+  zig-zag order device i holds chunks i and 2P - 1 - i. Chunk j lies in
+  slot ``j % 2`` of device ``j // 2``; four ``ppermute`` s of one chunk
+  each move every chunk, and every device sends two (its whole share).
+  """
+  routes: dict[tuple[int, int], list[tuple[int, int]]] = {}
+  for i in range(P_):
+    for to_slot, chunk in enumerate((i, 2 * P_ - 1 - i)):
+      routes.setdefault((chunk % 2, to_slot), []).append((chunk // 2, i))
+  return [(a, b, pairs) for (a, b), pairs in sorted(routes.items())]
+
+
+def _reorder(x: jax.Array, axis_name: Any, P_: int, inverse: bool) -> jax.Array:
+  """A device's ``[B, L, ...]`` block from contiguous to zig-zag order (or back)."""
+  c = x.shape[1] // 2
+  slots = [lax.slice_in_dim(x, 0, c, axis=1), lax.slice_in_dim(x, c, 2 * c, axis=1)]
+  i = lax.axis_index(axis_name)
+  out: list[Any] = [None, None]
+  for from_slot, to_slot, pairs in _zigzag_routes(P_):
+    if inverse:
+      from_slot, to_slot, pairs = to_slot, from_slot, [(b, a) for a, b in pairs]
+    got = lax.ppermute(slots[from_slot], axis_name, pairs)
+    receives = jnp.isin(i, jnp.asarray([b for _, b in pairs]))
+    out[to_slot] = got if out[to_slot] is None else jnp.where(receives, got, out[to_slot])
+  return jnp.concatenate(out, axis=1)
+
+
+# ----------------------------------------------------------- recurrent variants ---
+
+
+def _shift(x: Any, empty: Any, distance: int, axis_name: Any, P_: int) -> Any:
+  """What device ``i - distance`` holds (``empty`` on devices ``i < distance``)."""
+  i = lax.axis_index(axis_name)
+  got = lax.ppermute(x, axis_name, [(j, j + distance) for j in range(P_ - distance)])
+  return jax.tree.map(lambda a, e: jnp.where(i >= distance, a, e), got, empty)
+
+
+def exclusive_prefix(summary: Any, empty: Any, combine: Any, axis_name: Any, P_: int) -> Any:
+  """``s_0 ∘ … ∘ s_{i-1}`` on device i (``empty`` on device 0), for an associative ``∘``.
+
+  One shift, then ``ceil(log2(P - 1))`` Hillis–Steele rounds; every round
+  sends one state per device.
+  """
+  if P_ == 1:
+    return empty
+  x = _shift(summary, empty, 1, axis_name, P_)  # Device i: s_{i-1}.
+  distance = 1
+  while distance < P_ - 1:  # Device i: the combination of the last 2·distance summaries.
+    x = combine(_shift(x, empty, distance, axis_name, P_), x)
+    distance *= 2
+  return x
+
+
+def _split_arrays(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+  """Options that are arrays (projections, feature-map weights) and the static rest."""
+  is_array = lambda x: isinstance(x, (jax.Array, np.ndarray))  # noqa: E731
+  arrays = {k: v for k, v in options.items() if is_array(v)}
+  return arrays, {k: v for k, v in options.items() if k not in arrays}
+
+
+def context_parallel_attention(
+    query: Any, key: Any, value: Any, *, attention: str, mesh: Mesh, axis_name: Any,
+    is_causal: bool = True, key_value_seq_lengths: Any = None, **options: Any,
+) -> jax.Array:
+  """A recurrent attention over a sequence sharded along its length over ``axis_name``.
+
+  Device i summarises its L keys into the variant's state ``s_i`` (e.g.
+  ``Σ_j φ(k_j) v_jᵀ [M, D]`` per key/value head), receives the exclusive
+  prefix ``s_0 ∘ … ∘ s_{i-1}`` over the device axis by collectives on
+  states alone, and runs the variant's causal pass over its own tokens from
+  it. Non-causal: every query reads the state of all keys. Equals
+  ``get_attention(attention, **options)(query, key, value, ...)`` on one
+  device, up to float rounding.
+
+  Args:
+    query: ``[B, T, N, H]`` (or ``[T, N, H]``), sharded or not; the result is
+      sharded along T over ``axis_name``.
+    key: ``[B, T, K, H]``; K must divide N (GQA / MQA).
+    value: ``[B, T, K, D]``.
+    attention: a registered recurrent variant (see
+      :func:`recurrent_attentions`): linear_elu, linear_relu, linear_learned,
+      performer, random_fourier, efficient, heinsen.
+    mesh: the device mesh; ``axis_name`` is one of its axes.
+    axis_name: the mesh axis that splits the sequence (P devices). T need
+      not be a multiple of P: the end is padded and hidden.
+    is_causal: query t sees keys ``j <= t``.
+    key_value_seq_lengths: optional ``[B]`` ints; keys at or past it are hidden.
+    **options: the variant's options, as for ``get_attention`` (arrays such
+      as a ``projection`` are replicated to every device).
+
+  Returns:
+    ``[B, T, N, D]`` in the input dtype.
+
+  Raises:
+    ValueError: for a variant without a recurrent state (use
+      :func:`ring_attention` for softmax), an unknown option, an axis not in
+      the mesh, T != S, or bad shapes.
+  """
+  fn = "context_parallel_attention"
+  recurrent = recurrent_attentions()
+  if attention not in recurrent:
+    raise ValueError(f"{fn}: attention={attention!r} has no recurrent state to pass between "
+                     f"devices; recurrent variants: {recurrent} (exact softmax: ring_attention).")
+  for name in _RESERVED:
+    if name in options:
+      raise ValueError(f"{fn}: `{name}` is set by context parallelism, not an option.")
+  get_spec(attention).build(**options)  # Unknown or missing options fail here.
+  is_causal = checks.check_static_bool(is_causal, name="is_causal", fn=fn)
+  _axis_size(mesh, axis_name, fn)
+  arrays, static = _split_arrays(options)
+  static = tuple(sorted((k, checks._static_option(v, name=k, fn=fn)) for k, v in static.items()))
+  return _context_parallel(query, key, value, key_value_seq_lengths, arrays, attention=attention,
+                           mesh=mesh, axis_name=axis_name, is_causal=is_causal, static=static)
+
+
+@functools.partial(jax.jit, static_argnames=("attention", "mesh", "axis_name", "is_causal",
+                                             "static"))
+def _context_parallel(query, key, value, lengths, arrays, *, attention, mesh, axis_name,
+                      is_causal, static):
+  """:func:`context_parallel_attention` as one compiled program (inlined under jit)."""
+  fn = "context_parallel_attention"
+  spec = get_spec(attention)
+  streaming = spec.streaming
+  P_ = mesh.shape[axis_name]
+  p, lengths = _prepare(query, key, value, lengths, fn=fn)
+  L = -(-p.dims.T // P_)
+
+  def local(q, k, v, lengths, arrays):
+    opts = {**dict(static), **arrays}
+    i = lax.axis_index(axis_name)
+    local_lengths = jnp.clip(lengths - i * L, 0, L)
+    summary = streaming.summarize(k, v, key_value_seq_lengths=local_lengths,
+                                  **accepted(streaming.summarize, opts))
+    empty = streaming.init(q, k, v, **accepted(streaming.init, opts))
+    prefix = exclusive_prefix(summary, empty, streaming.combine, axis_name, P_)
+    if is_causal:
+      return spec.function(q, k, v, is_causal=True, key_value_seq_lengths=local_lengths,
+                           initial_state=prefix, **opts)
+    inclusive = streaming.combine(prefix, summary)
+    last = i == P_ - 1  # Broadcast the last device's state: the others add zeros.
+    total = lax.psum(jax.tree.map(lambda x: jnp.where(last, x, jnp.zeros_like(x)), inclusive),
+                     axis_name)
+    total = lax.pcast(total, (axis_name,), to="varying")  # Read with device-varying queries.
+    # Every query reads ``total``: a causal pass from it with the local keys
+    # hidden (they are in it already).
+    return spec.function(q, k, v, is_causal=True, key_value_seq_lengths=jnp.zeros_like(
+        local_lengths), initial_state=total, **opts)
+
+  out = _sharded(local, p, lengths, arrays, mesh=mesh, axis_name=axis_name, zigzag=False)
+  return p.restore(out)
+
+
+# ------------------------------------------------------------------ ring softmax ---
+
+
+@dataclasses.dataclass(frozen=True)
+class _Block:
+  """One block a ring step computes: local query rows ``[r0, r1)`` against keys ``[k0, k1)``."""
+
+  rows: tuple[int, int]
+  keys: tuple[int, int]
+  causal: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ring:
+  """Static description of one ring call (a ``custom_vjp`` nondiff argument)."""
+
+  axis_name: Any
+  devices: int  # P
+  local: int  # L, tokens per device
+  zigzag: bool
+  is_causal: bool
+  scale: float
+  block_q: int
+  block_k: int
+
+  def key_positions(self, j: jax.Array) -> jax.Array:
+    """Global positions ``[L]`` of the keys device j holds."""
+    idx = jnp.arange(self.local)
+    if not self.zigzag:
+      return j * self.local + idx
+    c = self.local // 2  # Chunks j and 2P - 1 - j.
+    return jnp.where(idx < c, j * c + idx, (2 * self.devices - 1 - j) * c + idx - c)
+
+  def blocks(self, step0: bool) -> tuple[tuple[_Block, ...], tuple[_Block, ...]]:
+    """Blocks when device j's keys are earlier than ours (``j < i``) and later.
+
+    At step 0 (``j == i``) both are the causal diagonal (or the full block).
+    """
+    L, c = self.local, self.local // 2
+    if not self.is_causal:
+      full = (_Block((0, L), (0, L), False),)
+      return full, full
+    if step0:
+      diag = (_Block((0, L), (0, L), True),)
+      return diag, diag
+    if not self.zigzag:
+      return (_Block((0, L), (0, L), False),), ()
+    return (_Block((0, L), (0, c), False),), (_Block((c, L), (0, L), False),)
+
+  def flash_config(self, block: _Block) -> flash._Config:
+    T, S = block.rows[1] - block.rows[0], block.keys[1] - block.keys[0]
+    return flash._Config(T=T, S=S, block_q=min(self.block_q, T), block_k=min(self.block_k, S),
+                         is_causal=block.causal, scale=self.scale)
+
+
+def _rows(x: jax.Array, span: tuple[int, int], axis: int) -> jax.Array:
+  return lax.slice_in_dim(x, span[0], span[1], axis=axis)
+
+
+def _place(x: jax.Array, span: tuple[int, int], size: int, axis: int, fill: float) -> jax.Array:
+  """``x`` (covering ``span`` of ``axis``) padded with ``fill`` to ``size``."""
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (span[0], size - span[1])
+  return jnp.pad(x, widths, constant_values=fill)
+
+
+def _kv_lengths(ring: _Ring, block: _Block, j, lengths) -> jax.Array:
+  """Visible keys of ``block`` (a prefix: positions grow along the block)."""
+  pos = _rows(ring.key_positions(j), block.keys, 0)
+  return jnp.sum(pos[None, :] < lengths[:, None], axis=-1).astype(jnp.int32)
+
+
+def _merge(out_a, lse_a, out_b, lse_b):
+  """Two softmax results over disjoint keys as one: weights ``exp(lse - lse_total)``."""
+  shift = exponent_shift(jnp.maximum(lse_a, lse_b))
+  wa, wb = jnp.exp(lse_a - shift), jnp.exp(lse_b - shift)
+  total = wa + wb
+  out = safe_divide(wa[..., None] * out_a + wb[..., None] * out_b, total[..., None])
+  lse = jnp.where(total == 0, -jnp.inf, shift + jnp.log(jnp.where(total == 0, 1, total)))
+  return out, lse
+
+
+def _attend(ring: _Ring, blocks: tuple[_Block, ...], j, q, k, v, lengths):
+  """``(out [B,K,G,L,D], lse [B,K,G,L])`` of the local queries against device j's keys."""
+  B, K, G, L, _ = q.shape
+  out = jnp.zeros_like(q, shape=(B, K, G, L, v.shape[-1]))  # *_like: device-varying.
+  lse = jnp.full_like(q, -jnp.inf, shape=(B, K, G, L))
+  for block in blocks:
+    o, s = flash._forward(ring.flash_config(block), _rows(q, block.rows, 3),
+                          _rows(k, block.keys, 2), _rows(v, block.keys, 2), None,
+                          _kv_lengths(ring, block, j, lengths))
+    out, lse = _merge(out, lse, _place(o, block.rows, L, 3, 0), _place(s, block.rows, L, 3,
+                                                                      -jnp.inf))
+  return out, lse
+
+
+def _gradients(ring: _Ring, blocks: tuple[_Block, ...], j, q, k, v, out, lse, d_out, lengths):
+  """This step's ``(dq, dk, dv)`` (FlashAttention-2 backward with the final out and lse)."""
+  L = q.shape[3]
+  dq, dk, dv = jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
+  for block in blocks:
+    r = block.rows
+    res = (_rows(q, r, 3), _rows(k, block.keys, 2), _rows(v, block.keys, 2), _rows(out, r, 3),
+           _rows(lse, r, 3), None, _kv_lengths(ring, block, j, lengths))
+    g_q, g_k, g_v, _, _ = flash._backward(ring.flash_config(block), res, _rows(d_out, r, 3))
+    dq = dq + _place(g_q, r, L, 3, 0)
+    dk = dk + _place(g_k, block.keys, L, 2, 0)
+    dv = dv + _place(g_v, block.keys, L, 2, 0)
+  return dq, dk, dv
+
+
+def _step(ring: _Ring, step0: bool, fn, *args):
+  """Runs ``fn(blocks, j, *args)`` for device j = i - s's keys, branching on j < i."""
+  i = lax.axis_index(ring.axis_name)
+  earlier, later = ring.blocks(step0)
+  if earlier == later:
+    return lambda j: fn(ring, earlier, j, *args)
+  return lambda j: lax.cond(j < i, lambda: fn(ring, earlier, j, *args),
+                           lambda: fn(ring, later, j, *args))
+
+
+def _rotate(x: Any, ring: _Ring) -> Any:
+  """Every device's ``x`` to the next device on the ring."""
+  P_ = ring.devices
+  return lax.ppermute(x, ring.axis_name, [(j, (j + 1) % P_) for j in range(P_)])
+
+
+def _ring_forward(ring: _Ring, q, k, v, lengths):
+  acc = checks.accumulation_dtype(q.dtype)
+  i = lax.axis_index(ring.axis_name)
+  qa = q.astype(acc)
+  blocks = ring.blocks(step0=True)[0]
+  out, lse = _attend(ring, blocks, i, qa, k.astype(acc), v.astype(acc), lengths)
+
+  def step(carry, s):
+    out, lse, k, v = carry
+    k, v = _rotate((k, v), ring)
+    j = (i - s) % ring.devices
+    o, l_ = _step(ring, False, _attend, qa, k.astype(acc), v.astype(acc), lengths)(j)
+    out, lse = _merge(out, lse, o, l_)
+    return (out, lse, k, v), None
+
+  if ring.devices > 1:
+    (out, lse, _, _), _ = lax.scan(step, (out, lse, k, v), jnp.arange(1, ring.devices))
+  return out, lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ring(ring: _Ring, q, k, v, lengths):
+  out, _ = _ring_forward(ring, q, k, v, lengths)
+  return out.astype(q.dtype)
+
+
+def _ring_fwd(ring: _Ring, q, k, v, lengths):
+  out, lse = _ring_forward(ring, q, k, v, lengths)
+  return out.astype(q.dtype), (q, k, v, out, lse, lengths)
+
+
+def _ring_bwd(ring: _Ring, residuals, d_out):
+  q, k, v, out, lse, lengths = residuals
+  acc = out.dtype
+  i = lax.axis_index(ring.axis_name)
+  qa, do = q.astype(acc), d_out.astype(acc)
+  blocks = ring.blocks(step0=True)[0]
+  dq, dk, dv = _gradients(ring, blocks, i, qa, k.astype(acc), v.astype(acc), out, lse, do,
+                          lengths)
+
+  def step(carry, s):
+    dq, k, v, dk, dv = carry
+    k, v, dk, dv = _rotate((k, v, dk, dv), ring)  # The gradients travel with their keys.
+    j = (i - s) % ring.devices
+    g_q, g_k, g_v = _step(ring, False, _gradients, qa, k.astype(acc), v.astype(acc), out, lse,
+                          do, lengths)(j)
+    return (dq + g_q, k, v, dk + g_k, dv + g_v), None
+
+  if ring.devices > 1:
+    (dq, _, _, dk, dv), _ = lax.scan(step, (dq, k, v, dk, dv), jnp.arange(1, ring.devices))
+    dk, dv = _rotate((dk, dv), ring)  # Home: device j + P - 1 holds j's, one more step.
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+@checks.compiled("mesh", "axis_name", "is_causal", "scale", "block_q", "block_k",
+                 "load_balance")
+def ring_attention(
+    query: Any, key: Any, value: Any, *, mesh: Mesh, axis_name: Any, is_causal: bool = False,
+    key_value_seq_lengths: Any = None, scale: float | None = None,
+    block_q: int = flash.DEFAULT_BLOCK_Q, block_k: int = flash.DEFAULT_BLOCK_K,
+    load_balance: bool = True,
+) -> jax.Array:
+  """Exact softmax attention over a sequence sharded along its length: ring attention.
+
+  ``softmax(Q Kᵀ · scale, masked) V`` where device i holds L queries and
+  keys; the key/value blocks pass around the ring of ``axis_name`` in P - 1
+  ``ppermute`` steps, each block attended blockwise (flash attention) and
+  merged by log-sum-exp. The backward pass (``custom_vjp``) runs the ring
+  again and keeps memory per device proportional to L. Causal attention
+  skips fully masked blocks and, with ``load_balance``, uses the zig-zag
+  order (device i holds chunks i and 2P - 1 - i of 2P), so every device does
+  the same work at every step; the inputs are reordered to it and the output
+  back, inside this function.
+
+  Args:
+    query: ``[B, T, N, H]`` (or ``[T, N, H]``), sharded or not.
+    key: ``[B, T, K, H]``; K must divide N (GQA / MQA).
+    value: ``[B, T, K, D]``.
+    mesh: the device mesh; ``axis_name`` is one of its axes (P devices).
+    axis_name: the mesh axis that splits the sequence. T need not be a
+      multiple of P (or 2P): the end is padded and hidden.
+    is_causal: query t sees keys ``j <= t``.
+    key_value_seq_lengths: optional ``[B]`` ints; keys at or past it are hidden.
+    scale: logit scale, default ``1 / sqrt(H)``.
+    block_q, block_k: flash tile sizes within a block (static).
+    load_balance: for causal attention, use the zig-zag order (default);
+      False keeps contiguous blocks, so device i computes i + 1 blocks.
+
+  Returns:
+    ``[B, T, N, D]`` in the input dtype; rows with no visible key are zero.
+
+  Raises:
+    ValueError: for an axis not in the mesh, T != S, bad block sizes or shapes.
+
+  References:
+    Liu et al., Ring Attention (2023); Brandon et al., Striped Attention (2023).
+  """
+  fn = "ring_attention"
+  is_causal = checks.check_static_bool(is_causal, name="is_causal", fn=fn)
+  load_balance = checks.check_static_bool(load_balance, name="load_balance", fn=fn)
+  P_ = _axis_size(mesh, axis_name, fn)
+  zigzag = is_causal and load_balance and P_ > 1
+  p, lengths = _prepare(query, key, value, key_value_seq_lengths, fn=fn)
+  multiple = 2 * P_ if zigzag else P_
+  ring = _Ring(axis_name=axis_name, devices=P_, local=-(-p.dims.T // multiple) * multiple // P_,
+               zigzag=zigzag,
+               is_causal=is_causal, scale=checks.resolve_scale(scale, p.dims.H),
+               block_q=checks.check_positive_int(block_q, name="block_q", fn=fn),
+               block_k=checks.check_positive_int(block_k, name="block_k", fn=fn))
+  N, K = p.dims.N, p.dims.K
+
+  def local(q, k, v, lengths, _):
+    B, L, _, H = q.shape
+    D = v.shape[-1]
+    qi = q.reshape(B, L, K, N // K, H).transpose(0, 2, 3, 1, 4)  # [B, K, G, L, H]
+    out = _ring(ring, qi, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), lengths)
+    return out.transpose(0, 3, 1, 2, 4).reshape(B, L, N, D)
+
+  out = _sharded(local, p, lengths, (), mesh=mesh, axis_name=axis_name, zigzag=zigzag)
+  return p.restore(out)
+
+
+
+
+# ------------------------------------------------------------ for layers ---
+
+_RING_OPTIONS = ("scale", "block_q", "block_k", "load_balance")
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextParallel:
+  """Where a layer splits its sequence: the ``axis_name`` axis of ``mesh``.
+
+  :meth:`attend` runs a registered variant with context parallelism:
+  :func:`ring_attention` for ``"softmax"`` and ``"flash"``,
+  :func:`context_parallel_attention` for the recurrent variants. Give it to
+  ``linattn_jax.nn.MultiHeadAttention(context_parallel=...)``.
+  """
+
+  mesh: Mesh
+  axis_name: Any
+
+  def __post_init__(self):
+    _axis_size(self.mesh, self.axis_name, "ContextParallel")
+
+  @staticmethod
+  def check(attention: str, options: dict[str, Any]) -> None:
+    """Raises ValueError if ``attention`` with ``options`` has no context-parallel form."""
+    if attention in ("softmax", "flash"):
+      extra = sorted(set(options) - set(_RING_OPTIONS))
+      if extra:
+        raise ValueError(f"ContextParallel: ring attention (for {attention!r}) takes the "
+                         f"options {list(_RING_OPTIONS)}; got {extra}.")
+    elif attention not in recurrent_attentions():
+      raise ValueError(
+          f"ContextParallel: attention={attention!r} has no context-parallel form; it runs "
+          f"softmax and flash (ring attention) and {recurrent_attentions()}.")
+
+  def attend(self, attention: str, query, key, value, *, is_causal: bool,
+             key_value_seq_lengths: Any = None, **options: Any) -> jax.Array:
+    """``attention`` over ``query``/``key``/``value`` split along T over the axis."""
+    self.check(attention, options)
+    if attention in ("softmax", "flash"):
+      return ring_attention(query, key, value, mesh=self.mesh, axis_name=self.axis_name,
+                            is_causal=is_causal, key_value_seq_lengths=key_value_seq_lengths,
+                            **options)
+    return context_parallel_attention(
+        query, key, value, attention=attention, mesh=self.mesh, axis_name=self.axis_name,
+        is_causal=is_causal, key_value_seq_lengths=key_value_seq_lengths, **options)
