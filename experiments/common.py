@@ -25,6 +25,12 @@ CAUSAL = flags.DEFINE_bool("causal", True, "Pass is_causal=True.")
 OUTPUT_DIR = flags.DEFINE_string(
     "output_dir", None, "Where the JSON and plots go (default: results/<script name>).")
 PLOT = flags.DEFINE_bool("plot", True, "Write PNG plots (needs matplotlib).")
+ATTENTIONS = flags.DEFINE_list(
+    "attentions", None, "Registered variants to run (compare: also name@label entries). "
+    "Default: the script's own list (its module docstring names it).")
+OPTIONS_BY_ATTENTION = flags.DEFINE_string(
+    "options_by_attention", None, "JSON object {variant (or compare entry): {option: value}}. "
+    "Default: the script's own options.")
 
 
 def value_dim() -> int:

@@ -14,6 +14,7 @@ train step, size of the decode state), ``--workdir/curves.png`` (every
 entry's learning curve) and, for causal tasks, ``--workdir/state.png`` (the
 final metric against the decode state's size, a line per variant: the
 state-size sweep of Zoology, Arora et al. 2023, when entries repeat a name).
+Defaults: ``DEFAULT_ATTENTIONS`` and ``DEFAULT_OPTIONS``.
 """
 
 from __future__ import annotations
@@ -26,18 +27,16 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from absl import app, flags
+from absl import app
 from flax import nnx
 
 import linattn_jax as la
 from experiments import common, data, train
 
-_ATTENTIONS = flags.DEFINE_list(
-    "attentions", ["softmax", "linear_elu", "performer", "local"],
-    "Entries to compare: registered names, each optionally labelled as name@label.")
-_OPTIONS_BY_ATTENTION = flags.DEFINE_string(
-    "options_by_attention", '{"local": {"window_size": [16, 0]}}',
-    "JSON object {entry or name: {option: value}}.")
+# --attentions: entries to compare, registered names each optionally labelled
+# name@label; --options_by_attention: JSON {entry or name: {option: value}}.
+DEFAULT_ATTENTIONS = ("softmax", "linear_elu", "performer", "local")
+DEFAULT_OPTIONS = '{"local": {"window_size": [16, 0]}}'
 
 
 def attention_name(entry: str) -> str:
@@ -142,21 +141,23 @@ def plot_state(rows: list[dict[str, Any]], metric: str, path: pathlib.Path, titl
 def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-  unknown = [a for a in _ATTENTIONS.value if attention_name(a) not in la.available_attentions()]
+  entries = common.ATTENTIONS.value or list(DEFAULT_ATTENTIONS)
+  options_json = common.OPTIONS_BY_ATTENTION.value or DEFAULT_OPTIONS
+  unknown = [a for a in entries if attention_name(a) not in la.available_attentions()]
   if unknown:
     raise app.UsageError(f"--attentions {unknown} are unknown; available: "
                          f"{la.available_attentions()}.")
   try:
-    options = json.loads(_OPTIONS_BY_ATTENTION.value)
+    options = json.loads(options_json)
   except json.JSONDecodeError as e:
     raise app.UsageError(f"--options_by_attention is not JSON: {e}") from e
-  if not isinstance(options, dict) or set(options) - set(_ATTENTIONS.value) - {
-      attention_name(a) for a in _ATTENTIONS.value}:
+  if not isinstance(options, dict) or set(options) - set(entries) - {
+      attention_name(a) for a in entries}:
     raise app.UsageError("--options_by_attention must be a JSON object keyed by entries of "
-                         f"--attentions; got {_OPTIONS_BY_ATTENTION.value}.")
+                         f"--attentions; got {options_json}.")
   base = train.config_from_flags()
   train.quiet_orbax()
-  rows = compare(base, _ATTENTIONS.value, options)
+  rows = compare(base, entries, options)
   out = pathlib.Path(base.workdir)
   print(write_table(rows, base, out / "comparison.md"), flush=True)
   plot(rows, out / "curves.png", f"{base.task}: train loss")

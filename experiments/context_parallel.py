@@ -4,8 +4,8 @@ Causal attention of one layer (``--heads``, ``--kv_heads``, ``--head_dim``,
 ``--batch``) over P = ``--devices`` host CPU devices, the inputs sharded
 along T. Two reports:
 
-- ``communication``: for each T of ``--lengths``, the bytes one device sends
-  in a forward+backward pass, read from the compiled HLO's collectives (each
+- ``communication``: for each total length T of ``--total_lengths``, the
+  bytes one device sends in a forward+backward pass, read from the compiled HLO's collectives (each
   counted as often as its loop runs) beside the analytic count. Recurrent
   (``--recurrent``): ``1 + ceil(log2(P - 1))`` states forward and as many
   backward in the other direction (the busiest device sends 7 of them for
@@ -19,9 +19,10 @@ along T. Two reports:
   arguments, outputs and temporaries, summed over this host's devices), for
   the context-parallel functions and for the same attention on one device
   (``linear_elu`` chunked; exact softmax by XLA and by ``flash``). The
-  largest T of each is then run once and timed, up to ``--run_up_to``.
+  largest T of each is then run once and timed (up to ``--run_up_to``,
+  or ``--run_exact_up_to`` for exact softmax, whose time grows as T²).
 
-    python -m experiments.context_parallel --lengths=4096,16384,65536
+    python -m experiments.context_parallel --total_lengths=4096,16384,65536
 
 writes ``context_parallel.json`` to ``--output_dir`` (default
 ``results/context_parallel``).
@@ -48,13 +49,17 @@ from experiments import common
 from linattn_jax import parallel
 
 _DEVICES = flags.DEFINE_integer("devices", 8, "Host CPU devices P (set before JAX starts).")
-_LENGTHS = flags.DEFINE_list("lengths", ["4096", "16384", "65536"],
-                             "Sequence lengths T for the communication report.")
+_LENGTHS = flags.DEFINE_list(
+    "total_lengths", ["4096", "16384", "65536"],
+    "Total sequence lengths T (over all devices) for the communication report.")
 _RECURRENT = flags.DEFINE_string("recurrent", "linear_elu", "The recurrent variant to shard.")
 _START = flags.DEFINE_integer("start_length", 4096, "First T of the max_length search.")
 _MEMORY_GIB = flags.DEFINE_float("memory_gib", 20.0, "Memory budget of the whole host (GiB).")
 _RUN_UP_TO = flags.DEFINE_integer(
-    "run_up_to", 1 << 22, "Run (and time) the largest fitting T only up to this length.")
+    "run_up_to", 1 << 22, "Run (and time) the largest fitting T of linear attention only up "
+    "to this length.")
+_RUN_EXACT_UP_TO = flags.DEFINE_integer(
+    "run_exact_up_to", 1 << 15, "The same for exact softmax (its time grows as T²).")
 _REPORTS = flags.DEFINE_list("reports", ["communication", "max_length"], "Reports to make.")
 _KV_HEADS = common.KV_HEADS
 _BATCH = common.BATCH
@@ -167,7 +172,8 @@ def _forward_backward(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _methods(mesh: jax.sharding.Mesh) -> dict[str, tuple[Callable[..., Any], bool]]:
-  """name -> (attention function, sharded over the mesh)."""
+  """name -> (attention function, sharded over the mesh); names with "softmax", "ring" or
+  "flash" are exact (quadratic time)."""
   recurrent = _RECURRENT.value
   return {
       f"context_parallel {recurrent}": (lambda q, k, v: parallel.context_parallel_attention(
@@ -267,9 +273,12 @@ def max_length(mesh: jax.sharding.Mesh) -> list[dict[str, Any]]:
         break
       fits, T = T, 2 * T
     row: dict[str, Any] = {"method": method, "largest_fitting_T": fits, "tried": tried}
-    if fits is not None and fits <= _RUN_UP_TO.value:
-      row["run"] = _run(fn, fits, sharding)
-      print(f"{method:32s} ran T={fits}: {row['run']['seconds']:.1f} s", flush=True)
+    exact = any(word in method for word in ("softmax", "ring", "flash"))
+    limit = _RUN_EXACT_UP_TO.value if exact else _RUN_UP_TO.value
+    ran = fits if fits is not None and fits <= limit else limit
+    if fits is not None:
+      row["run"] = _run(fn, ran, sharding)
+      print(f"{method:32s} ran T={ran}: {row['run']['seconds']:.1f} s", flush=True)
     rows.append(row)
   return rows
 
@@ -277,12 +286,15 @@ def max_length(mesh: jax.sharding.Mesh) -> list[dict[str, Any]]:
 def _run(fn: Callable[..., Any], T: int, sharding: Any) -> dict[str, Any]:
   B, T, N, K, H, D = _shape(T)
   dtype = jnp.dtype(common.DTYPE.value)
-  keys = jax.random.split(jax.random.key(common.SEED.value), 3)
   shapes = ((B, T, N, H), (B, T, K, H), (B, T, K, D))
-  make = jax.jit(lambda: tuple(jax.random.normal(key, s, dtype)
-                               for key, s in zip(keys, shapes, strict=True)),
-                 out_shardings=(sharding,) * 3 if sharding is not None else None)
-  q, k, v = make()
+
+  def make(seed):
+    key = jax.random.key(seed)
+    return tuple(jax.random.normal(jax.random.fold_in(key, i), s, dtype)
+                 for i, s in enumerate(shapes))
+
+  q, k, v = jax.jit(make, out_shardings=(sharding,) * 3 if sharding is not None else None)(
+      common.SEED.value)
   step = jax.jit(_forward_backward(fn)).lower(q, k, v).compile()
   start = time.perf_counter()
   grads = step(q, k, v)

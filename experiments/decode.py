@@ -9,6 +9,8 @@ allocated with capacity P + steps and filled with random keys and values
 directly: a step's cost depends on the capacity it reads, not on the values,
 and a prefill of 65536 tokens of exact attention would take minutes on a CPU.
 The report lists each cache's bytes (every array it holds) at each position.
+``--attentions`` defaults to ``DEFAULT_ATTENTIONS``; ``--options_by_attention``
+(JSON ``{variant: {option: value}}``) overrides ``DEFAULT_OPTIONS``.
 
     python -m experiments.decode --positions=1024,65536
 
@@ -35,14 +37,10 @@ import linattn_jax as la
 from experiments import common
 from linattn_jax import nn
 
-_ATTENTIONS = flags.DEFINE_list(
-    "attentions",
-    ["softmax", "flash", "local", "longformer", "linear_elu", "linear_relu", "linear_learned",
-     "performer", "random_fourier", "efficient", "heinsen"],
-    "Registered variants to decode with (block_sparse and bigbird need --attention_options).")
-_ATTENTION_OPTIONS = flags.DEFINE_string(
-    "attention_options", None,
-    "JSON object {variant: {option: value}} overriding the defaults per variant.")
+# --attentions: the variants to decode with (block_sparse and bigbird need
+# --options_by_attention); --options_by_attention overrides DEFAULT_OPTIONS.
+DEFAULT_ATTENTIONS = ("softmax", "flash", "local", "longformer", "linear_elu", "linear_relu",
+                      "linear_learned", "performer", "random_fourier", "efficient", "heinsen")
 _POSITIONS = flags.DEFINE_list("positions", ["1024", "65536"], "Positions P to decode at.")
 _KV_HEADS = common.KV_HEADS
 _BATCH = common.BATCH
@@ -166,16 +164,17 @@ def plot(report: dict[str, Any], path: Any) -> None:
 def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-  unknown = set(_ATTENTIONS.value) - set(la.available_attentions())
+  attentions = common.ATTENTIONS.value or list(DEFAULT_ATTENTIONS)
+  unknown = set(attentions) - set(la.available_attentions())
   if unknown:
     raise app.UsageError(f"unknown --attentions {sorted(unknown)}; available: "
                          f"{la.available_attentions()}")
   try:
-    overrides = json.loads(_ATTENTION_OPTIONS.value or "{}")
+    overrides = json.loads(common.OPTIONS_BY_ATTENTION.value or "{}")
     positions = [int(p) for p in _POSITIONS.value]
   except ValueError as e:
-    raise app.UsageError(f"--attention_options (JSON) or --positions (ints): {e}") from e
-  report = run(_ATTENTIONS.value, positions, overrides)
+    raise app.UsageError(f"--options_by_attention (JSON) or --positions (ints): {e}") from e
+  report = run(attentions, positions, overrides)
   out = pathlib.Path(common.output_dir("decode"))
   out.mkdir(parents=True, exist_ok=True)
   common.write_json(out / "decode.json", report)

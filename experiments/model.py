@@ -17,12 +17,47 @@ from flax import nnx
 from linattn_jax import nn
 
 
+class ShortConv(nnx.Module):
+  """A causal depthwise convolution over the last ``width`` tokens (Based's short convolution).
+
+  ``y_t = Σ_{i<width} w_i ∘ x_{t-i} + b``. In decoding, the last ``width - 1``
+  inputs are its cache.
+
+  Reference: Arora et al., "Simple linear attention language models balance
+  the recall-throughput tradeoff" (Based), 2024.
+  """
+
+  def __init__(self, dim: int, width: int, *, dtype: Any, rngs: nnx.Rngs):
+    self.width = width
+    self.conv = nnx.Conv(dim, dim, (width,), padding="VALID", feature_group_count=dim,
+                         dtype=dtype, rngs=rngs)
+    self.cache = nnx.data(None)
+
+  def init_cache(self, batch: int, dtype: Any) -> None:
+    self.cache = nnx.Cache(jnp.zeros((batch, self.width - 1, self.conv.in_features), dtype))
+
+  def __call__(self, x: jax.Array, *, decode: bool) -> jax.Array:
+    if decode:
+      past = self.cache.get_value()
+    else:
+      past = jnp.zeros((x.shape[0], self.width - 1, x.shape[2]), x.dtype)
+    full = jnp.concatenate([past.astype(x.dtype), x], axis=1)
+    if decode:
+      self.cache.set_value(full[:, full.shape[1] - (self.width - 1):])
+    return self.conv(full)
+
+
 class Block(nnx.Module):
-  """``x + attn(norm(x))``, then ``x + mlp(norm(x))`` (GELU, 4x width)."""
+  """``x + attn(conv(norm(x)))``, then ``x + mlp(norm(x))`` (GELU, 4x width).
+
+  The short convolution is there when ``short_conv`` (its width) is > 0.
+  """
 
   def __init__(self, dim: int, *, num_heads: int, num_kv_heads: int | None, attention: str,
                attention_options: dict[str, Any], dtype: Any, context_parallel: Any,
-               rngs: nnx.Rngs):
+               short_conv: int, rngs: nnx.Rngs):
+    self.short_conv = (ShortConv(dim, short_conv, dtype=dtype, rngs=rngs) if short_conv
+                       else None)
     self.attn_norm = nnx.LayerNorm(dim, dtype=dtype, rngs=rngs)
     self.attn = nn.MultiHeadAttention(num_heads, dim, num_kv_heads=num_kv_heads,
                                       attention=attention, attention_options=attention_options,
@@ -33,8 +68,10 @@ class Block(nnx.Module):
     self.mlp_out = nnx.Linear(4 * dim, dim, dtype=dtype, rngs=rngs)
 
   def __call__(self, x, *, causal: bool, lengths, decode: bool):
-    x = x + self.attn(self.attn_norm(x), is_causal=causal, decode=decode,
-                      key_value_seq_lengths=lengths)
+    h = self.attn_norm(x)
+    if self.short_conv is not None:
+      h = self.short_conv(h, decode=decode)
+    x = x + self.attn(h, is_causal=causal, decode=decode, key_value_seq_lengths=lengths)
     return x + self.mlp_out(jax.nn.gelu(self.mlp_in(self.mlp_norm(x))))
 
 
@@ -45,20 +82,23 @@ class Transformer(nnx.Module):
   logits ``[B, L, vocab]`` (decoder) or ``[B, num_classes]`` (encoder).
   ``position`` is the absolute position of ``tokens[:, 0]`` (decoding).
   With ``context_parallel`` (a ``linattn_jax.parallel.ContextParallel``)
-  every layer's attention splits the sequence over that mesh axis.
+  every layer's attention splits the sequence over that mesh axis; with
+  ``short_conv`` > 0 (decoders), a :class:`ShortConv` of that width precedes it.
   """
 
   def __init__(self, *, vocab_size: int, num_classes: int | None, max_len: int, dim: int,
                num_layers: int, num_heads: int, num_kv_heads: int | None, attention: str,
                attention_options: dict[str, Any], dtype: Any, context_parallel: Any = None,
-               rngs: nnx.Rngs):
+               short_conv: int = 0, rngs: nnx.Rngs):
+    if short_conv and num_classes is not None:
+      raise ValueError("short_conv is causal: it is for decoders, not the encoder.")
     self.causal = num_classes is None
     self.embed = nnx.Embed(vocab_size, dim, dtype=dtype, rngs=rngs)
     self.positions = nnx.Embed(max_len, dim, dtype=dtype, rngs=rngs)  # Same scale as tokens.
     self.blocks = nnx.List([
         Block(dim, num_heads=num_heads, num_kv_heads=num_kv_heads, attention=attention,
               attention_options=attention_options, dtype=dtype,
-              context_parallel=context_parallel, rngs=rngs)
+              context_parallel=context_parallel, short_conv=short_conv, rngs=rngs)
         for _ in range(num_layers)])
     self.norm = nnx.LayerNorm(dim, dtype=dtype, rngs=rngs)
     self.head = nnx.Linear(dim, num_classes or vocab_size, dtype=dtype, rngs=rngs)
@@ -79,3 +119,5 @@ class Transformer(nnx.Module):
     """Decode caches for ``max_len`` positions in every layer."""
     for block in self.blocks:
       block.attn.init_cache((batch, max_len, self.embed.features), dtype=self.embed.dtype)
+      if block.short_conv is not None:
+        block.short_conv.init_cache(batch, self.embed.dtype or jnp.float32)

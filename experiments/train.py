@@ -68,6 +68,9 @@ _REDRAW_EVERY = flags.DEFINE_integer(
     "redraw_every", 0, "Redraw random features every this many steps (0: never; "
     "performer and random_fourier only).")
 _SAMPLE_LENGTH = flags.DEFINE_integer("sample_length", 96, "Generated characters (char_lm).")
+_SHORT_CONV = flags.DEFINE_integer(
+    "short_conv", 0, "Width of a causal depthwise convolution before each attention (Based's "
+    "short convolution; 0: none). Decoders only.")
 _CONTEXT_PARALLEL = flags.DEFINE_integer(
     "context_parallel", 1, "Devices each sequence is split over (ring attention for softmax "
     "and flash, state passing for recurrent variants); the batch is split over the rest.")
@@ -103,6 +106,7 @@ class Config:
   redraw_every: int
   sample_length: int
   context_parallel: int = 1
+  short_conv: int = 0
 
   def training(self) -> dict[str, Any]:
     """The fields that define what is trained (compared on resume)."""
@@ -156,7 +160,7 @@ def config_from_flags() -> Config:
                _EVAL_EVERY, _EVAL_BATCHES, _CHECKPOINT_EVERY, _LOG_EVERY):
     if flag.value < 1:
       raise app.UsageError(f"--{flag.name} must be positive; got {flag.value}.")
-  for flag in (_WARMUP_STEPS, _REDRAW_EVERY, _SAMPLE_LENGTH):
+  for flag in (_WARMUP_STEPS, _REDRAW_EVERY, _SAMPLE_LENGTH, _SHORT_CONV):
     if flag.value < 0:
       raise app.UsageError(f"--{flag.name} must be >= 0; got {flag.value}.")
   if _NUM_KV_HEADS.value is not None and _NUM_KV_HEADS.value < 1:
@@ -183,6 +187,9 @@ def config_from_flags() -> Config:
   if not task.causal and not la.get_spec(_ATTENTION.value).supports_noncausal:
     raise app.UsageError(f"--task={task.name} classifies with a bidirectional encoder; "
                          f"--attention={_ATTENTION.value} is causal only.")
+  if _SHORT_CONV.value and not task.causal:
+    raise app.UsageError(f"--short_conv is causal, for decoders; --task={task.name} "
+                         "classifies with a bidirectional encoder.")
   if _REDRAW_EVERY.value and (la.get_spec(_ATTENTION.value).params is None
                               or la.get_spec(_ATTENTION.value).params.trainable):
     raise app.UsageError(f"--redraw_every applies to random-feature attentions; "
@@ -221,7 +228,8 @@ def make_model(config: Config, seed: int | None = None) -> Transformer:
       dim=config.model_dim, num_layers=config.num_layers, num_heads=config.num_heads,
       num_kv_heads=config.num_kv_heads, attention=config.attention,
       attention_options=config.attention_options, dtype=jnp.dtype(config.dtype),
-      context_parallel=split, rngs=nnx.Rngs(config.seed if seed is None else seed))
+      context_parallel=split, short_conv=config.short_conv,
+      rngs=nnx.Rngs(config.seed if seed is None else seed))
 
 
 def make_optimizer(config: Config) -> optax.GradientTransformation:

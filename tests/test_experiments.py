@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import pathlib
 import subprocess
@@ -11,6 +12,15 @@ import pytest
 from absl import app
 
 from experiments import approximation, benchmark
+
+
+def test_every_script_imports_beside_the_others():
+  """absl flags live in one registry: two scripts defining one name cannot both load."""
+  scripts = sorted(p.stem for p in pathlib.Path("experiments").glob("*.py")
+                   if p.stem != "__init__")
+  assert {"benchmark", "compare", "context_parallel", "train"} <= set(scripts)
+  for name in scripts:
+    importlib.import_module(f"experiments.{name}")
 
 
 def test_benchmark_runs_and_writes_ratios(tmp_path):

@@ -40,11 +40,12 @@ SHAPE = Shape(B=3, T=37, S=37, N=4, K=2, H=8, D=6)  # 37 = 8·5 - 3; lengths 12,
 
 @functools.cache
 def mesh(shape=(DEVICES,), names=("seq",), types=(AxisType.Auto,)):
-  return jax.make_mesh(shape, names, axis_types=types)
+  """A mesh of the host CPU devices (also where the default backend is a GPU)."""
+  return jax.make_mesh(shape, names, axis_types=types, devices=jax.devices("cpu"))
 
 
 def test_the_suite_has_eight_host_devices():
-  assert jax.device_count() == DEVICES
+  assert len(jax.devices("cpu")) == DEVICES
 
 
 def _value_and_grads(fn, q, k, v, ct):

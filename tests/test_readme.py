@@ -30,3 +30,10 @@ def test_layers_example_runs():
   exec(compile(_blocks("python")[1], "README layers", "exec"), namespace)  # noqa: S102
   assert namespace["y"].shape == (2, 64, 128)
   assert [s.shape for s in namespace["steps"]] == [(2, 1, 128)] * 4
+
+
+def test_context_parallel_example_runs():
+  namespace: dict = {}
+  exec(compile(_blocks("python")[2], "README context parallelism", "exec"), namespace)  # noqa: S102
+  assert namespace["out"].shape == (2, 4096, 8, 64)
+  assert namespace["layer"].context_parallel.axis_name == "seq"

@@ -12,6 +12,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from absl import app
@@ -128,6 +129,22 @@ def test_four_devices_give_the_losses_of_one(tmp_path):
   np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
 
 
+@pytest.mark.skipif(jax.local_device_count() < 8, reason="the training loop's mesh spans the "
+                    "default backend's devices: 8 host CPU devices in the suite, 1 on one GPU")
+@pytest.mark.parametrize("attention", ["linear_elu", "softmax"])
+def test_context_parallel_training_gives_the_losses_of_data_parallel(tmp_path, attention):
+  """Sequences split over 4 of the suite's 8 devices (ring attention for softmax)."""
+  losses = {}
+  for split in (1, 4):
+    config = _config(tmp_path / str(split), task="mqar", attention=attention,
+                     context_parallel=split, sample_length=0)
+    train.train(config)
+    records = [json.loads(line) for line in
+               (tmp_path / str(split) / "metrics.jsonl").read_text().splitlines()]
+    losses[split] = [r[k] for r in records for k in ("train_loss", "eval_loss") if k in r]
+  np.testing.assert_allclose(losses[4], losses[1], rtol=1e-5)
+
+
 @pytest.mark.parametrize("flag, message", [
     ("--attention=nope", "--attention='nope' is unknown"),
     ("--task=nope", "--task"),
@@ -135,9 +152,11 @@ def test_four_devices_give_the_losses_of_one(tmp_path):
     ("--attention_options=window_size=4", "unknown option `window_size`"),
     ("--model_dim=0", "--model_dim must be positive"),
     ("--redraw_every=5", "--redraw_every applies to random-feature attentions"),
+    ("--context_parallel=2", "--context_parallel=2 must divide the 1 local devices"),
+    ("--task=listops --short_conv=2", "--short_conv is causal"),
 ])
 def test_bad_flags_fail_with_one_line_naming_them(tmp_path, flag, message):
-  result = _run(*TINY_FLAGS, flag, f"--workdir={tmp_path / 'w'}")
+  result = _run(*TINY_FLAGS, *flag.split(), f"--workdir={tmp_path / 'w'}")
   assert result.returncode != 0
   assert message in result.stderr
   assert not (tmp_path / "w").exists()  # Nothing written.
@@ -182,3 +201,19 @@ def test_compare_checks_every_entry_before_training(tmp_path):
   with pytest.raises(app.UsageError, match="entry performer@x: .*num_feature"):
     compare.compare(base, ["softmax", "performer@x"], {"performer@x": {"num_feature": 4}})
   assert not any(tmp_path.iterdir())
+
+
+def test_decoding_with_a_short_convolution_equals_the_full_pass():
+  from flax import nnx
+
+  from experiments.model import Transformer
+
+  model = Transformer(vocab_size=11, num_classes=None, max_len=12, dim=16, num_layers=2,
+                      num_heads=2, num_kv_heads=1, attention="linear_elu", attention_options={},
+                      dtype=None, short_conv=3, rngs=nnx.Rngs(0))
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 11, (2, 9)))
+  full = model(tokens)
+  model.init_cache(2, 12)
+  steps = [model(tokens[:, :4], decode=True)]  # A prompt, then one token at a time.
+  steps += [model(tokens[:, t:t + 1], position=t, decode=True) for t in range(4, 9)]
+  np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, rtol=2e-5, atol=2e-5)

@@ -1,0 +1,66 @@
+"""Two real processes on this machine meet through ``jax.distributed``.
+
+Each has 4 host CPU devices; the sequence is sharded over all 8 and the
+collectives cross processes (gloo over loopback). Context-parallel linear
+attention and ring attention, outputs and gradients, equal this (single)
+process's functions.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import linattn_jax as la
+
+WORKER = pathlib.Path(__file__).with_name("distributed_worker.py")
+ROOT = WORKER.parent.parent
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def test_two_processes_equal_one(tmp_path):
+  sys.path.insert(0, str(WORKER.parent))
+  import distributed_worker as worker
+
+  port = _free_port()
+  env = {**os.environ, "PYTHONPATH": str(ROOT)}
+  env.pop("XLA_FLAGS", None)  # Each process sets its own device count.
+  procs = [subprocess.Popen([sys.executable, str(WORKER), str(port), str(i), str(tmp_path)],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True) for i in range(2)]
+  logs = []
+  try:
+    for p in procs:
+      logs.append(p.communicate(timeout=300)[0])
+  finally:
+    for p in procs:
+      p.kill()
+  assert all(p.returncode == 0 for p in procs), "\n\n".join(log[-3000:] for log in logs)
+
+  q, k, v = (jnp.asarray(x) for x in worker.inputs())
+  lengths = jnp.asarray(worker.LENGTHS)
+  single = {
+      "linear": lambda q, k, v: la.linear_attention(q, k, v, is_causal=True,
+                                                    key_value_seq_lengths=lengths),
+      "ring": lambda q, k, v: la.softmax_attention(q, k, v, is_causal=True,
+                                                   key_value_seq_lengths=lengths),
+  }
+  for name, fn in single.items():
+    grads = jax.grad(lambda q, k, v, fn=fn: jnp.sum(fn(q, k, v) ** 2), argnums=(0, 1, 2))(
+        q, k, v)
+    want = {name: fn(q, k, v), **{f"{name}_d{x}": g for x, g in zip("qkv", grads, strict=True)}}
+    got = {key: np.load(tmp_path / f"{key}.npy") for key in want}
+    chex.assert_trees_all_close(got, want, atol=1e-4, rtol=1e-4)
