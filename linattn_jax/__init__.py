@@ -1,7 +1,19 @@
 """linattn_jax: efficient attention mechanisms as pure JAX functions.
 
 Layout ``[B, T, N, H]`` for queries and ``[B, S, K, H]`` / ``[B, S, K, D]``
-for keys and values, as in ``jax.nn.dot_product_attention``.
+for keys and values, as in ``jax.nn.dot_product_attention``. Letters: B
+batch, T query length, S key/value length, N query heads, K key/value heads
+(G = N // K queries share one), H query/key head dim, D value head dim, M
+feature-map size, C chunk size.
+
+The examples in the docstrings assume::
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+    import linattn_jax as la
+    from linattn_jax import feature_maps, masks, nn, parallel
 """
 
 from linattn_jax import feature_maps, masks

@@ -150,11 +150,45 @@ def softmax_attention_reference(
     query_seq_lengths: Any = None,
     key_value_seq_lengths: Any = None,
 ) -> jax.Array:
-  """The oracle: plain float32 einsum softmax attention, O(T·S) memory.
+  """The oracle of :func:`softmax_attention`: plain float32 einsums, O(T·S) memory.
 
-  Same arguments and result as :func:`softmax_attention`. Key/value heads are
-  repeated G times, scores, softmax and the weighted sum are float32, and
-  the output is cast to the input dtype. Never optimised.
+  ``out[b, t, n] = Σ_s softmax_s(q[b, t, n]·k[b, s, n // G]·scale + bias) v[b, s, n // G]``
+  over the visible keys. Key/value heads are repeated G times, the ``[B, N, T, S]``
+  scores, the softmax and the weighted sum are float32, and the output is cast to the
+  input dtype. Same arguments and result as :func:`softmax_attention`; the tests judge
+  every exact-softmax path (and the sparse patterns) against it. Never optimised.
+
+  Args:
+    query: ``[B, T, N, H]`` (or unbatched ``[T, N, H]``).
+    key: ``[B, S, K, H]``; K must divide N.
+    value: ``[B, S, K, D]``.
+    bias: optional float array broadcastable to ``[B, N, T, S]``.
+    mask: optional bool array broadcastable to ``[B, N, T, S]``; True = attend.
+    is_causal: query i sees keys ``j <= i + S - T`` (bottom-right aligned).
+    scale: logit scale; default ``1 / sqrt(H)``.
+    query_seq_lengths: optional ``[B]`` ints; rows at or past it return zeros.
+    key_value_seq_lengths: optional ``[B]`` ints; keys at or past it are masked.
+
+  Returns:
+    ``[B, T, N, D]`` (or ``[T, N, D]``) in the input dtype; rows with no visible key
+    are zeros.
+
+  Raises:
+    ValueError: on bad ranks, mixed or unsupported dtypes, mismatched batch, length or
+      head sizes, a mask that is not boolean, a bias that is not floating point, masks or
+      biases that do not broadcast, lengths that are not ``[B]`` ints, or a traced
+      ``is_causal``.
+
+  Examples:
+    >>> x = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))
+    >>> ref = la.softmax_attention_reference(x, x, x, is_causal=True)
+    >>> ref.shape
+    (1, 8, 2, 4)
+    >>> bool(jnp.allclose(la.softmax_attention(x, x, x, is_causal=True), ref, atol=1e-5))
+    True
+
+  References:
+    Vaswani et al., "Attention Is All You Need", 2017.
   """
   a = prepare(query, key, value, bias=bias, mask=mask, is_causal=is_causal, scale=scale,
               query_seq_lengths=query_seq_lengths,

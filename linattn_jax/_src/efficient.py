@@ -54,7 +54,27 @@ IMPLEMENTATIONS: tuple[str, ...] = typing.get_args(EfficientImplementation)
 
 
 class EfficientState(NamedTuple):
-  """Per-feature online key softmax over the keys seen so far (accumulation dtype)."""
+  """Recurrent state of :func:`efficient_attention`: a key softmax per feature, kept online.
+
+  For each key/value head and feature h, the keys seen so far in the units of
+  their running maximum ``m_h = max_j k_jh``::
+
+      kv_h = Σ_j exp(k_jh - m_h) v_j   [B, K, H, D]      k_sum_h = Σ_j exp(k_jh - m_h)   [B, K, H]
+
+  so ``softmax_S(K)ᵀ V`` row h is ``kv_h / k_sum_h``. Float32 (float64 for
+  float64 inputs); unbatched calls use the same fields without B.
+
+  Attributes:
+    kv: ``[B, K, H, D]``: ``Σ_j exp(k_jh - running_max_h) v_j``.
+    k_sum: ``[B, K, H]``: ``Σ_j exp(k_jh - running_max_h)``.
+    running_max: ``[B, K, H]``: ``max_j k_jh`` over the keys seen (``-inf``: none yet).
+
+  Examples:
+    >>> x = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))  # [B, T, N=K, H=D]
+    >>> _, state = la.efficient_attention(x, x, x, is_causal=True, return_state=True)
+    >>> state.kv.shape, state.k_sum.shape, state.running_max.shape
+    ((1, 2, 4, 4), (1, 2, 4), (1, 2, 4))
+  """
 
   kv: jax.Array  # [B, K, H, D]: Σ_j exp(k_jh - running_max_h) v_j.
   k_sum: jax.Array  # [B, K, H]: Σ_j exp(k_jh - running_max_h).
@@ -64,7 +84,11 @@ class EfficientState(NamedTuple):
 def init_efficient_state(
     batch: int, num_kv_heads: int, head_dim: int, value_dim: int, dtype: Any = jnp.float32
 ) -> EfficientState:
-  """The empty state: no key seen (zero sums, ``running_max = -inf``).
+  """The empty :class:`EfficientState`: no key seen (zero sums, ``running_max = -inf``).
+
+  Zeros ``kv [B, K, H, D]`` and ``k_sum [B, K, H]``, and ``running_max
+  [B, K, H]`` of ``-inf``: the state from which :func:`efficient_attention_step`
+  decodes.
 
   Args:
     batch: B.
@@ -75,6 +99,15 @@ def init_efficient_state(
 
   Returns:
     An :class:`EfficientState` ``([B, K, H, D], [B, K, H], [B, K, H])``.
+
+  Raises:
+    ValueError: if ``batch``, ``num_kv_heads``, ``head_dim`` or ``value_dim``
+      is not a positive int.
+
+  Examples:
+    >>> state = la.init_efficient_state(batch=1, num_kv_heads=2, head_dim=8, value_dim=4)
+    >>> state.kv.shape, state.k_sum.shape, state.running_max.shape
+    ((1, 2, 8, 4), (1, 2, 8), (1, 2, 8))
   """
   fn = "init_efficient_state"
   B, K, H, D = (checks.check_positive_int(x, name=name, fn=fn) for x, name in (
@@ -122,10 +155,37 @@ def efficient_attention_reference(
     is_causal: bool = False,
     key_value_seq_lengths: Any = None,
 ) -> jax.Array:
-  """The oracle: per (query, feature) masked key softmax, plain einsum, O(T·S·H).
+  """The oracle of :func:`efficient_attention`: a masked key softmax per (query, feature).
 
-  Same arguments (minus state passing and the ``how`` options) and result
-  as :func:`efficient_attention`. Never optimised.
+  ``out_t = Σ_h softmax_H(q_t)_h · Σ_j softmax_j(k_jh over the keys t sees) v_j``,
+  with the ``[B, T, S, K, H]`` key weights formed at once: plain einsums,
+  O(T·S·K·H) memory. Same arguments (minus state passing and the ``how``
+  options) and result as :func:`efficient_attention`. Never optimised.
+
+  Args:
+    query: ``[B, T, N, H]`` (or unbatched ``[T, N, H]``).
+    key: ``[B, S, K, H]``; K must divide N.
+    value: ``[B, S, K, D]``.
+    is_causal: query t sees keys ``j <= t + S - T`` (bottom-right aligned).
+    key_value_seq_lengths: optional ``[B]`` ints; keys at or past it are masked.
+
+  Returns:
+    ``[B, T, N, D]`` (or ``[T, N, D]``) in the input dtype; rows with no
+    visible key are zero.
+
+  Raises:
+    ValueError: on bad ranks, mixed or unsupported dtypes, mismatched
+      batch, length or head sizes, or lengths that are not ``[B]`` ints.
+
+  Examples:
+    >>> x = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))
+    >>> fast = la.efficient_attention(x, x, x, is_causal=True)
+    >>> slow = la.efficient_attention_reference(x, x, x, is_causal=True)
+    >>> bool(jnp.allclose(fast, slow, atol=1e-5))
+    True
+
+  References:
+    Shen et al., "Efficient Attention: Attention with Linear Complexities", WACV 2021.
   """
   fn = "efficient_attention_reference"
   p = checks.prepare_qkv(query, key, value, fn=fn)
@@ -190,9 +250,19 @@ def efficient_attention(
 
   Examples:
     >>> q = jnp.ones((2, 100, 8, 32)); kv = jnp.ones((2, 100, 2, 32))
-    >>> out, state = efficient_attention(q, kv, kv, is_causal=True, return_state=True)
+    >>> out, state = la.efficient_attention(q, kv, kv, is_causal=True, return_state=True)
     >>> out.shape, state.kv.shape
     ((2, 100, 8, 32), (2, 2, 32, 32))
+
+    Non-causal, it is two softmaxes and two small matrix products:
+
+    >>> x = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))
+    >>> q_soft = jax.nn.softmax(x, axis=-1)  # Over the H features of each query.
+    >>> k_soft = jax.nn.softmax(x, axis=1)  # Over the S positions, per feature.
+    >>> context = jnp.einsum("bskh,bskd->bkhd", k_soft, x)  # [B, K, H, D]
+    >>> by_hand = jnp.einsum("btkh,bkhd->btkd", q_soft, context)
+    >>> bool(jnp.allclose(la.efficient_attention(x, x, x), by_hand, atol=1e-5))
+    True
 
   References:
     Shen et al., "Efficient Attention: Attention with Linear Complexities", WACV 2021.
@@ -243,11 +313,25 @@ def efficient_attention_step(
       or a state of the wrong shapes.
 
   Examples:
-    >>> state = init_efficient_state(1, 2, 16, 16)
-    >>> state, out = efficient_attention_step(
+    >>> state = la.init_efficient_state(1, 2, 16, 16)
+    >>> state, out = la.efficient_attention_step(
     ...     state, jnp.ones((1, 4, 16)), jnp.ones((1, 2, 16)), jnp.ones((1, 2, 16)))
     >>> out.shape
     (1, 4, 16)
+
+    Scanned over T tokens, the steps equal one causal call:
+
+    >>> x = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))  # [B, T, N=K, H=D]
+    >>> def step(state, x_t):
+    ...   return la.efficient_attention_step(state, x_t, x_t, x_t)
+    >>> empty = la.init_efficient_state(1, 2, 4, 4)
+    >>> state, outs = jax.lax.scan(step, empty, x.swapaxes(0, 1))
+    >>> full = la.efficient_attention(x, x, x, is_causal=True)
+    >>> bool(jnp.allclose(outs.swapaxes(0, 1), full, atol=1e-5))
+    True
+
+  References:
+    Shen et al., "Efficient Attention: Attention with Linear Complexities", WACV 2021.
   """
   return recurrence.one_token_step(efficient_attention, state, query, key, value)
 

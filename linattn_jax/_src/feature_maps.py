@@ -56,7 +56,28 @@ from linattn_jax._src.checks import accumulation_dtype, check_positive_int
 
 
 class FeatureMap(Protocol):
-  """``phi(x, *, is_query=False) -> [..., M]`` for ``x`` of shape ``[..., H]``."""
+  """The feature-map protocol: ``phi(x, *, is_query=False) -> [..., M]`` for ``x`` ``[..., H]``.
+
+  A feature map φ turns queries and keys into features whose dot product
+  stands in for a similarity, ``φ(q)·φ(k) ≈ sim(q, k)``, so that kernel
+  linear attention needs only ``Σ_j φ(k_j) v_jᵀ`` ``[M, D]`` and
+  ``Σ_j φ(k_j)`` ``[M]``. ``is_query`` says whether ``x`` holds queries or
+  keys (a map may treat them differently; the maps here do not). Any
+  function with this signature works; the maps built by :func:`projected`,
+  :func:`favor_plus` and :func:`random_fourier` are pytrees whose arrays the
+  attention functions pass as data.
+
+  Examples:
+    A map of your own, with M = 2H features:
+
+    >>> def both_signs(x, *, is_query=False):
+    ...   return jnp.concatenate([jax.nn.elu(x) + 1, jax.nn.elu(-x) + 1], axis=-1)
+    >>> x = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))  # [B, T, N, H]
+    >>> out, state = la.linear_attention(x, x, x, feature_map=both_signs, is_causal=True,
+    ...                                  return_state=True)
+    >>> out.shape, state.kv.shape  # state.kv: [B, K, M, D]
+    ((1, 8, 2, 4), (1, 2, 8, 4))
+  """
 
   def __call__(self, x: jax.Array, *, is_query: bool = False) -> jax.Array:
     ...
@@ -68,24 +89,98 @@ class FeatureMap(Protocol):
 def elu_plus_one(x: jax.Array, *, is_query: bool = False) -> jax.Array:
   """``elu(x) + 1``: ``x + 1`` for ``x > 0``, ``exp(x)`` otherwise (M = H).
 
+  ``φ(x)_h = x_h + 1 if x_h > 0 else exp(x_h)``, elementwise: ``[..., H]`` to
+  ``[..., H]``, in the dtype of ``x``. The default map of
+  :func:`linear_attention`.
+
   Each branch is evaluated directly rather than as ``(exp(x) - 1) + 1``, which
   rounds to 0 in bfloat16 for moderately negative ``x``. The result is
   positive wherever ``exp(x)`` is representable. The ``exp`` branch sees
   ``where(x > 0, 0, x)``, not ``minimum(x, 0)``, whose derivative at a tie
   ``x = 0`` is 1/2: the derivative at 0 is 1, as on both sides.
+
+  Args:
+    x: queries or keys ``[..., H]``.
+    is_query: unused (the map treats queries and keys alike).
+
+  Returns:
+    ``[..., H]`` positive features.
+
+  Raises:
+    ValueError: not raised here: any array is mapped elementwise.
+
+  Examples:
+    >>> x = jnp.array([-10.0, 0.0, 2.0], jnp.bfloat16)
+    >>> phi = feature_maps.elu_plus_one(x)
+    >>> phi.shape, phi.dtype, bool(jnp.all(phi > 0))
+    ((3,), dtype(bfloat16), True)
+    >>> bool((jax.nn.elu(x) + 1)[0] == 0)  # The naive form rounds exp(-10) away.
+    True
+
+  References:
+    Katharopoulos et al., "Transformers are RNNs", 2020.
   """
   del is_query
   return jnp.where(x > 0, x + 1, jnp.exp(jnp.where(x > 0, 0, x)))
 
 
 def relu(x: jax.Array, *, is_query: bool = False) -> jax.Array:
-  """``max(x, 0)`` (M = H). A row of zeros makes a query's kernel row zero."""
+  """``max(x, 0)`` (M = H). A row of zeros makes a query's kernel row zero.
+
+  ``φ(x)_h = max(x_h, 0)``, elementwise: ``[..., H]`` to ``[..., H]``. A
+  query whose features are all zero has an ``eps``-only normaliser in
+  :func:`linear_attention`, and its output is zero.
+
+  Args:
+    x: queries or keys ``[..., H]``.
+    is_query: unused.
+
+  Returns:
+    ``[..., H]`` non-negative features.
+
+  Raises:
+    ValueError: not raised here: any array is mapped elementwise.
+
+  Examples:
+    >>> x = jnp.array([[-1.0, -2.0], [1.0, -3.0]])  # [T, H]: query 0 has no feature.
+    >>> bool(jnp.array_equal(feature_maps.relu(x), jnp.maximum(x, 0)))
+    True
+    >>> out = la.linear_attention(x[:, None], x[:, None], x[:, None], feature_map=feature_maps.relu)
+    >>> out.shape, bool(jnp.all(out[0] == 0))
+    ((2, 1, 2), True)
+  """
   del is_query
   return jax.nn.relu(x)
 
 
 def exp(x: jax.Array, *, is_query: bool = False) -> jax.Array:
-  """``exp(x)`` elementwise (M = H); unbounded, so keep inputs moderate."""
+  """``exp(x)`` elementwise (M = H); unbounded, so keep inputs moderate.
+
+  ``φ(q)·φ(k) = Σ_h exp(q_h + k_h)``: the weights of Heinsen's attention.
+  :func:`heinsen_attention` computes them stabilised, for inputs of any
+  size; this plain map overflows float32 once ``q_h + k_h`` passes about 88.
+
+  Args:
+    x: queries or keys ``[..., H]``.
+    is_query: unused.
+
+  Returns:
+    ``[..., H]`` positive features.
+
+  Raises:
+    ValueError: not raised here: any array is mapped elementwise.
+
+  Examples:
+    >>> x = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))
+    >>> bool(jnp.allclose(feature_maps.exp(x), jnp.exp(x)))
+    True
+    >>> plain = la.linear_attention(x, x, x, feature_map=feature_maps.exp, eps=0.0)
+    >>> bool(jnp.allclose(plain, la.heinsen_attention(x, x, x), atol=1e-5))
+    True
+
+  References:
+    Heinsen, "Softmax Attention with Constant Cost per Token", 2024.
+  """
   del is_query
   return jnp.exp(x)
 
@@ -102,7 +197,25 @@ def _check_head_dim(fn: str, what: str, shape: tuple[int, ...], axis: int, x: ja
                    meta_fields=[])
 @dataclasses.dataclass(frozen=True, eq=False)
 class Projected:
-  """A learnable map ``φ(x) = elu(x W + b) + 1`` (see :func:`projected`)."""
+  """A learnable map ``φ(x) = elu(x W + b) + 1`` (see :func:`projected`).
+
+  ``[..., H]`` to ``[..., M]``. A frozen dataclass registered as a pytree
+  whose leaves are ``weight`` and ``bias``: it can be an argument of
+  ``jax.jit`` or ``jax.grad``, and new values of the same shapes reuse
+  compiled attention programs. Calling it on inputs whose H is not the
+  weight's raises ``ValueError``.
+
+  Attributes:
+    weight: ``[H, M]``.
+    bias: ``[M]``.
+
+  Examples:
+    >>> phi = feature_maps.projected(jnp.zeros((4, 6)), jnp.zeros(6))
+    >>> isinstance(phi, feature_maps.Projected), phi(jnp.ones((2, 4))).shape
+    (True, (2, 6))
+    >>> [leaf.shape for leaf in jax.tree.leaves(phi)]
+    [(4, 6), (6,)]
+  """
 
   weight: jax.Array  # [H, M]
   bias: jax.Array  # [M]
@@ -125,7 +238,20 @@ def projected(weight: Any, bias: Any) -> Projected:
     gradients flow to them.
 
   Raises:
-    ValueError: if ``weight`` is not rank 2 or ``bias`` is not ``[M]``.
+    ValueError: if ``weight`` is not rank 2 or ``bias`` is not ``[M]`` (and,
+      when the map is called, if its H differs from the inputs').
+
+  Examples:
+    Gradients reach the weights through the attention:
+
+    >>> x = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))  # [B, T, N, H]
+    >>> w, b = 0.1 * jnp.ones((4, 6)), jnp.zeros(6)  # [H, M], [M]
+    >>> def loss(w, b):
+    ...   phi = feature_maps.projected(w, b)
+    ...   return la.linear_attention(x, x, x, feature_map=phi, is_causal=True).sum()
+    >>> dw, db = jax.grad(loss, argnums=(0, 1))(w, b)
+    >>> dw.shape, db.shape
+    ((4, 6), (6,))
   """
   weight, bias = jnp.asarray(weight), jnp.asarray(bias)
   if weight.ndim != 2 or bias.shape != weight.shape[1:]:
@@ -172,7 +298,28 @@ class _RandomFeatures:
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["projection"], meta_fields=[])
 @dataclasses.dataclass(frozen=True, eq=False)
 class FavorPlus(_RandomFeatures):
-  """Positive random features ``exp(W x̂ - ‖x̂‖²/2) / √M`` (see :func:`favor_plus`)."""
+  """Positive random features ``exp(W x̂ - ‖x̂‖²/2) / √M`` (see :func:`favor_plus`).
+
+  ``[..., H]`` to ``[..., M]`` with ``x̂ = x / H^(1/4)``. A frozen dataclass
+  registered as a pytree whose leaf is ``projection``; :meth:`log_scaled`
+  returns the same features as ``(features, log_scale)`` with
+  ``φ(x) = exp(log_scale)[..., None] * features`` and every row's largest
+  feature 1, the form :func:`performer_attention` uses to stay finite.
+  Calling it on inputs whose H is not the projection's raises ``ValueError``.
+
+  Attributes:
+    projection: ``[M, H]`` random directions.
+
+  Examples:
+    >>> w = feature_maps.orthogonal_random_projection(jax.random.key(1), 8, 4)  # [M, H]
+    >>> phi = feature_maps.favor_plus(w)
+    >>> x = jax.random.normal(jax.random.key(1), (3, 4))
+    >>> features, log_scale = phi.log_scaled(x)
+    >>> isinstance(phi, feature_maps.FavorPlus), features.shape, log_scale.shape
+    (True, (3, 8), (3,))
+    >>> bool(jnp.allclose(jnp.exp(log_scale)[:, None] * features, phi(x)))
+    True
+  """
 
   name: ClassVar[str] = "favor_plus"
 
@@ -191,7 +338,24 @@ class FavorPlus(_RandomFeatures):
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["projection"], meta_fields=[])
 @dataclasses.dataclass(frozen=True, eq=False)
 class RandomFourier(_RandomFeatures):
-  """Trigonometric features ``exp(‖x̂‖²/2) [sin W x̂, cos W x̂] / √M`` (see :func:`random_fourier`)."""
+  """Trigonometric features ``exp(‖x̂‖²/2) [sin W x̂, cos W x̂] / √M`` (see :func:`random_fourier`).
+
+  ``[..., H]`` to ``[..., 2M]`` with ``x̂ = x / H^(1/4)``. A frozen dataclass
+  registered as a pytree whose leaf is ``projection``; :meth:`log_scaled`
+  returns ``([sin W x̂, cos W x̂], ‖x̂‖²/2 - log √M)``, features of magnitude
+  at most 1 and their log-scale. Calling it on inputs whose H is not the
+  projection's raises ``ValueError``.
+
+  Attributes:
+    projection: ``[M, H]`` random directions.
+
+  Examples:
+    >>> w = feature_maps.gaussian_random_projection(jax.random.key(0), 8, 4)  # [M, H]
+    >>> phi = feature_maps.random_fourier(w)
+    >>> features, log_scale = phi.log_scaled(jnp.ones((3, 4)))
+    >>> isinstance(phi, feature_maps.RandomFourier), features.shape, log_scale.shape
+    (True, (3, 16), (3,))
+  """
 
   name: ClassVar[str] = "random_fourier"
 
@@ -221,9 +385,17 @@ def favor_plus(projection: Any) -> FavorPlus:
       differs from the inputs').
 
   Examples:
-    >>> w = orthogonal_random_projection(jax.random.key(0), 64, 16)
-    >>> favor_plus(w)(jnp.ones((3, 16))).shape
-    (3, 64)
+    >>> w = feature_maps.orthogonal_random_projection(jax.random.key(1), 8, 4)  # [M, H]
+    >>> feature_maps.favor_plus(w)(jnp.ones((3, 4))).shape
+    (3, 8)
+
+    With many features the dot product estimates ``exp(q·k / √H)``:
+
+    >>> q, k = 0.5 * jax.random.normal(jax.random.key(1), (2, 4))  # H = 4
+    >>> phi = feature_maps.favor_plus(
+    ...     feature_maps.orthogonal_random_projection(jax.random.key(2), 4096, 4))
+    >>> bool(jnp.isclose(phi(q) @ phi(k), jnp.exp(q @ k / 2), rtol=0.05))
+    True
 
   References:
     Choromanski et al., "Rethinking Attention with Performers", 2021, Lemma 1.
@@ -249,8 +421,18 @@ def random_fourier(projection: Any) -> RandomFourier:
     ValueError: if ``projection`` is not rank 2 (and, when called, if its H
       differs from the inputs').
 
+  Examples:
+    >>> w = feature_maps.orthogonal_random_projection(jax.random.key(2), 4096, 4)
+    >>> phi = feature_maps.random_fourier(w)
+    >>> q, k = 0.5 * jax.random.normal(jax.random.key(1), (2, 4))  # H = 4
+    >>> phi(q).shape  # 2M features.
+    (8192,)
+    >>> bool(jnp.isclose(phi(q) @ phi(k), jnp.exp(q @ k / 2), rtol=0.05))
+    True
+
   References:
-    Rahimi & Recht, 2007; Choromanski et al., 2021, eq. (5).
+    Rahimi & Recht, "Random Features for Large-Scale Kernel Machines", 2007;
+    Choromanski et al., "Rethinking Attention with Performers", 2021, eq. (5).
   """
   return RandomFourier(_check_projection("random_fourier", projection))
 
@@ -266,8 +448,19 @@ def gaussian_random_projection(
     head_dim: H.
     dtype: float dtype of the result.
 
+  Returns:
+    ``[M, H]`` in ``dtype``, for :func:`favor_plus` or :func:`random_fourier`.
+
   Raises:
     ValueError: on a non-positive ``num_features`` or ``head_dim``.
+
+  Examples:
+    >>> w = feature_maps.gaussian_random_projection(jax.random.key(0), 8, 4)
+    >>> w.shape, w.dtype
+    ((8, 4), dtype('float32'))
+
+  References:
+    Rahimi & Recht, "Random Features for Large-Scale Kernel Machines", 2007.
   """
   M = check_positive_int(num_features, name="num_features", fn="gaussian_random_projection")
   H = check_positive_int(head_dim, name="head_dim", fn="gaussian_random_projection")
@@ -293,8 +486,20 @@ def orthogonal_random_projection(
     head_dim: H.
     dtype: float dtype of the result.
 
+  Returns:
+    ``[M, H]`` in ``dtype``, for :func:`favor_plus` or :func:`random_fourier`.
+    The same ``rng`` gives the same projection, eagerly or under ``jax.jit``.
+
   Raises:
     ValueError: on a non-positive ``num_features`` or ``head_dim``.
+
+  Examples:
+    >>> w = feature_maps.orthogonal_random_projection(jax.random.key(1), 8, 4)  # [M, H]
+    >>> w.shape
+    (8, 4)
+    >>> gram = w[:4] @ w[:4].T  # The first block of H = 4 rows: orthogonal.
+    >>> bool(jnp.allclose(gram, jnp.diag(jnp.diag(gram)), atol=1e-4))
+    True
 
   References:
     Yu et al., "Orthogonal Random Features", 2016; Choromanski et al., 2021, §2.4.

@@ -262,15 +262,26 @@ def flash_attention(
     ``[B, T, N, D]`` in the input dtype; rows with no visible key are zero.
 
   Raises:
-    ValueError: on bad shapes, dtypes, lengths or block sizes.
+    ValueError: on bad shapes, dtypes, lengths or block sizes (``block_q``, ``block_k``
+      must be positive ints), or a traced ``is_causal``, ``scale`` or block size
+      (they are static).
 
   Examples:
-    >>> q = k = v = jnp.ones((1, 1000, 8, 64))
-    >>> flash_attention(q, k, v, is_causal=True, block_q=256).shape
-    (1, 1000, 8, 64)
+    >>> q = k = v = jnp.ones((1, 1000, 2, 16))
+    >>> la.flash_attention(q, k, v, is_causal=True, block_q=256).shape
+    (1, 1000, 2, 16)
+
+    The result is exact: it equals :func:`softmax_attention`, also when the lengths are
+    not multiples of the blocks:
+
+    >>> x = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))
+    >>> flash = la.flash_attention(x, x, x, is_causal=True, block_q=4, block_k=3)
+    >>> bool(jnp.allclose(flash, la.softmax_attention(x, x, x, is_causal=True), atol=1e-5))
+    True
 
   References:
-    Dao et al., FlashAttention (2022); Dao, FlashAttention-2 (2023).
+    Dao et al., "FlashAttention: Fast and Memory-Efficient Exact Attention with
+    IO-Awareness", 2022; Dao, "FlashAttention-2", 2023.
   """
   fn = "flash_attention"
   p = checks.prepare_qkv(query, key, value, fn=fn)

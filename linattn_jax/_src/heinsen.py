@@ -66,9 +66,24 @@ LOG_IMPLEMENTATIONS: tuple[str, ...] = typing.get_args(LogHeinsenImplementation)
 class HeinsenState(NamedTuple):
   """Recurrent state of :func:`heinsen_attention` per kv head, in units of ``exp(running_max)``.
 
-  The sums it stands for are ``exp(running_max[..., None]) * kv`` and
-  ``exp(running_max) * k_sum``. Float32 (float64 for float64 inputs); unbatched calls use
-  the same fields without the leading B.
+  The sums it stands for, per feature h, are::
+
+      Σ_j exp(k_jh) v_j = exp(running_max_h) · kv_h    Σ_j exp(k_jh) = exp(running_max_h) · k_sum_h
+
+  i.e. ``exp(running_max[..., None]) * kv`` and ``exp(running_max) * k_sum``; a query
+  reads them with the weights ``exp(q_h)``. Float32 (float64 for float64 inputs); unbatched
+  calls use the same fields without the leading B.
+
+  Attributes:
+    kv: ``[B, K, H, D]``: ``Σ_j exp(k_jh - running_max_h) v_j``.
+    k_sum: ``[B, K, H]``: ``Σ_j exp(k_jh - running_max_h)``.
+    running_max: ``[B, K, H]``: ``max_j k_jh`` over the keys so far (``-inf`` before any key).
+
+  Examples:
+    >>> x = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))  # [B, T, N=K, H=D]
+    >>> _, state = la.heinsen_attention(x, x, x, is_causal=True, return_state=True)
+    >>> state.kv.shape, state.k_sum.shape, state.running_max.shape
+    ((1, 2, 4, 4), (1, 2, 4), (1, 2, 4))
   """
 
   kv: jax.Array  # [B, K, H, D]: Σ_j exp(k_jh - running_max_h) v_j.
@@ -265,11 +280,37 @@ def heinsen_attention_reference(
     is_causal: bool = False,
     key_value_seq_lengths: Any = None,
 ) -> jax.Array:
-  """The oracle: explicit ``[B, T, S, N]`` weights, O(T·S·H) memory, never optimised.
+  """The oracle of :func:`heinsen_attention`: explicit ``[B, T, S, N]`` weights, never optimised.
 
   ``log w_tj = logsumexp_h(q_th + k_jh)``, masked, normalised over j in log space, then
-  ``out = Σ_j w_tj v_j`` with ``v`` kept linear. Same arguments and result as
-  :func:`heinsen_attention` (without state passing).
+  ``out = Σ_j w_tj v_j`` with ``v`` kept linear: O(T·S·H) memory. Same arguments and
+  result as :func:`heinsen_attention` with ``implementation="reference"`` (without state
+  passing).
+
+  Args:
+    query: ``[B, T, N, H]`` (or unbatched ``[T, N, H]``).
+    key: ``[B, S, K, H]``; K must divide N.
+    value: ``[B, S, K, D]``.
+    is_causal: query t sees keys ``j <= t + S - T`` (bottom-right aligned).
+    key_value_seq_lengths: optional ``[B]`` ints; keys at or past it are ignored.
+
+  Returns:
+    ``[B, T, N, D]`` (or ``[T, N, D]``) in the input dtype; zeros for queries that see no
+    key.
+
+  Raises:
+    ValueError: on bad ranks, mixed or unsupported dtypes, mismatched batch, length or head
+      sizes, or lengths that are not ``[B]`` ints.
+
+  Examples:
+    >>> x = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))
+    >>> fast = la.heinsen_attention(x, x, x, is_causal=True)
+    >>> slow = la.heinsen_attention_reference(x, x, x, is_causal=True)
+    >>> bool(jnp.allclose(fast, slow, atol=1e-5))
+    True
+
+  References:
+    Heinsen, "Softmax Attention with Constant Cost per Token", 2024.
   """
   return heinsen_attention(
       query, key, value, is_causal=is_causal, key_value_seq_lengths=key_value_seq_lengths,
@@ -335,8 +376,16 @@ def heinsen_attention(
 
   Examples:
     >>> q = jnp.ones((2, 16, 8, 32)); k = jnp.ones((2, 16, 2, 32)); v = jnp.ones((2, 16, 2, 48))
-    >>> heinsen_attention(q, k, v, is_causal=True, chunk_size=8).shape
+    >>> la.heinsen_attention(q, k, v, is_causal=True, chunk_size=8).shape
     (2, 16, 8, 48)
+
+    The weights are those of the elementwise feature map exp, so it equals linear attention
+    with ``feature_maps.exp`` (on inputs small enough for that to stay finite):
+
+    >>> x = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))
+    >>> linear = la.linear_attention(x, x, x, feature_map=feature_maps.exp, eps=0.0)
+    >>> bool(jnp.allclose(la.heinsen_attention(x, x, x), linear, atol=1e-5))
+    True
 
   References:
     Heinsen, "Softmax Attention with Constant Cost per Token", 2024.
@@ -396,6 +445,16 @@ def log_heinsen_attention(
     ValueError: on bad shapes, dtypes or lengths, an unknown implementation or a bad
       ``chunk_size``.
 
+  Examples:
+    >>> x = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))  # [B, T, N, H], N = K
+    >>> v = jnp.exp(jax.random.normal(jax.random.key(1), (1, 8, 2, 4)))  # Positive values.
+    >>> log_out = la.log_heinsen_attention(x, x, jnp.log(v), is_causal=True)
+    >>> log_out.shape
+    (1, 8, 2, 4)
+    >>> out = la.heinsen_attention(x, x, v, is_causal=True)
+    >>> bool(jnp.allclose(jnp.exp(log_out), out, rtol=1e-4))
+    True
+
   References:
     Heinsen, "Softmax Attention with Constant Cost per Token", 2024.
   """
@@ -419,7 +478,28 @@ def init_heinsen_state(
 ) -> HeinsenState:
   """The empty :class:`HeinsenState` (zero sums, ``running_max = -inf``) for B, K, H and D.
 
-  Use float32 for float32/bfloat16/float16 inputs and float64 for float64 ones.
+  Zeros ``kv [B, K, H, D]`` and ``k_sum [B, K, H]`` and ``running_max [B, K, H]`` of
+  ``-inf``: the state of no keys, from which :func:`heinsen_attention_step` decodes.
+
+  Args:
+    batch: B.
+    num_kv_heads: K.
+    head_dim: H.
+    value_dim: D.
+    dtype: the state's dtype: float32 for float32/bfloat16/float16 inputs, float64 for
+      float64 ones.
+
+  Returns:
+    A :class:`HeinsenState`.
+
+  Raises:
+    ValueError: if ``batch``, ``num_kv_heads``, ``head_dim`` or ``value_dim`` is not a
+      positive int.
+
+  Examples:
+    >>> state = la.init_heinsen_state(batch=1, num_kv_heads=2, head_dim=8, value_dim=3)
+    >>> state.kv.shape, state.k_sum.shape, state.running_max.shape
+    ((1, 2, 8, 3), (1, 2, 8), (1, 2, 8))
   """
   fn = "init_heinsen_state"
   B, K, H, D = (checks.check_positive_int(x, name=name, fn=fn) for x, name in (
@@ -433,8 +513,11 @@ def heinsen_attention_step(
 ) -> tuple[HeinsenState, jax.Array]:
   """One causal token: adds ``(key, value)`` to the state, then reads it with ``query``.
 
+  Per feature h, ``kv_h ← kv_h + exp(k_h) v`` and ``k_sum_h ← k_sum_h + exp(k_h)`` (kept in
+  units of the running max), then ``out = Σ_h exp(q_h) kv_h / Σ_h exp(q_h) k_sum_h``.
   Constant time and memory per token; ``lax.scan``-compatible (the new state keeps the
-  dtype of ``state``).
+  dtype of ``state``). Scanned over T tokens from :func:`init_heinsen_state` it equals
+  ``heinsen_attention(..., is_causal=True)``.
 
   Args:
     state: a :class:`HeinsenState` (from :func:`init_heinsen_state` or ``return_state``).
@@ -447,6 +530,19 @@ def heinsen_attention_step(
 
   Raises:
     ValueError: on bad ranks or shapes, or a state that does not match them.
+
+  Examples:
+    >>> x = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))  # [B, T, N=K, H=D]
+    >>> def step(state, x_t):
+    ...   return la.heinsen_attention_step(state, x_t, x_t, x_t)
+    >>> empty = la.init_heinsen_state(1, 2, 4, 4)
+    >>> state, outs = jax.lax.scan(step, empty, x.swapaxes(0, 1))
+    >>> full = la.heinsen_attention(x, x, x, is_causal=True)
+    >>> bool(jnp.allclose(outs.swapaxes(0, 1), full, atol=1e-5))
+    True
+
+  References:
+    Heinsen, "Softmax Attention with Constant Cost per Token", 2024.
   """
   return recurrence.one_token_step(heinsen_attention, state, query, key, value)
 

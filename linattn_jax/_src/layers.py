@@ -52,11 +52,50 @@ MAX_PATTERN_CAPACITY = 8192
 
 
 class FeatureProjection(nnx.Variable):
-  """A variant's random projection: drawn from ``rngs``, redrawn, never trained."""
+  """A variant's random projection: drawn from ``rngs``, redrawn, never trained.
+
+  The kind of ``nnx.Variable`` in which :class:`MultiHeadAttention` keeps the
+  ``[M, H]`` projection of ``"performer"`` and ``"random_fourier"``. It is
+  not an ``nnx.Param``, so an optimizer over ``nnx.Param`` leaves it alone;
+  :meth:`MultiHeadAttention.redraw` replaces it with a new draw. It reaches
+  the attention function as data: a new value never recompiles.
+
+  Examples:
+    >>> layer = nn.MultiHeadAttention(2, 16, attention="performer",
+    ...                               attention_options={"num_features": 8}, rngs=nnx.Rngs(0))
+    >>> isinstance(layer.projection, nn.FeatureProjection)
+    True
+    >>> before = layer.projection.get_value()
+    >>> before.shape  # [M, H]
+    (8, 8)
+    >>> layer.redraw(jax.random.key(1))
+    >>> bool(jnp.array_equal(before, layer.projection.get_value()))
+    False
+  """
 
 
 class KVCache(NamedTuple):
-  """Keys and values of every decoded position (softmax, flash, sparse patterns)."""
+  """Keys and values of every decoded position (softmax, flash, sparse patterns).
+
+  The decode cache of :class:`MultiHeadAttention` for variants without a
+  streaming state (``cache_kind(...) == "kv"``), made by ``init_cache((B, C,
+  in))`` for a capacity of C positions.
+
+  Attributes:
+    key: ``[B, K, C, H]`` in the cache dtype (head-major: a step reads it in place).
+    value: ``[B, K, C, H]`` (the layer's values have the head dim H too).
+    index: ``[]`` int32: positions written so far.
+
+  Examples:
+    >>> layer = nn.MultiHeadAttention(4, 32, num_kv_heads=2, rngs=nnx.Rngs(0))  # softmax
+    >>> layer.init_cache((1, 16, 32))  # (B, C, in)
+    >>> cache = layer.cache.get_value()
+    >>> isinstance(cache, nn.KVCache), cache.key.shape, int(cache.index)
+    (True, (1, 2, 16, 8), 0)
+    >>> _ = layer(jnp.ones((1, 3, 32)), is_causal=True, decode=True)
+    >>> int(layer.cache.get_value().index)
+    3
+  """
 
   key: jax.Array  # [B, K, C, H] in the cache dtype (head-major: a step reads it in place).
   value: jax.Array  # [B, K, C, H]
@@ -64,14 +103,50 @@ class KVCache(NamedTuple):
 
 
 class StateCache(NamedTuple):
-  """A streaming variant's state (recurrent, or local's ring buffer)."""
+  """A streaming variant's state (recurrent, or local's ring buffer).
+
+  The decode cache of :class:`MultiHeadAttention` for variants with a
+  streaming protocol (``cache_kind(...)`` is ``"recurrent"`` or
+  ``"window"``): its size does not grow with the position.
+
+  Attributes:
+    state: the variant's state NamedTuple, e.g. a ``LinearState`` with
+      ``kv [B, K, M, H]`` and ``k_sum [B, K, M]``, or a ``LocalState`` ring
+      buffer ``[B, W, K, H]``.
+    index: ``[]`` int32: positions decoded so far.
+
+  Examples:
+    >>> layer = nn.MultiHeadAttention(4, 32, num_kv_heads=2, attention="linear_elu",
+    ...                               rngs=nnx.Rngs(0))
+    >>> layer.init_cache((1, 16, 32))  # (B, C, in); a state has no capacity.
+    >>> cache = layer.cache.get_value()
+    >>> isinstance(cache, nn.StateCache), type(cache.state).__name__, cache.state.kv.shape
+    (True, 'LinearState', (1, 2, 8, 8))
+  """
 
   state: Any  # The variant's state NamedTuple, e.g. LinearState [B, K, M, H] / [B, K, M].
   index: jax.Array  # [] int32: positions decoded so far.
 
 
 def cache_kind(attention: str) -> str:
-  """``"recurrent"``, ``"window"`` or ``"kv"``: what ``attention``'s decode cache holds."""
+  """``"recurrent"``, ``"window"`` or ``"kv"``: what ``attention``'s decode cache holds.
+
+  Takes no arrays. ``"recurrent"``: a fixed-size state (e.g. ``[B, K, M, H]``
+  and its normaliser) in a :class:`StateCache`; ``"window"``: local's ring
+  buffer of the last ``left + 1`` keys ``[B, W, K, H]`` in a
+  :class:`StateCache`; ``"kv"``: every key and value ``[B, K, C, H]`` in a
+  :class:`KVCache`.
+
+  Args:
+    attention: a name from ``available_attentions()``.
+
+  Raises:
+    ValueError: for a name that is not registered.
+
+  Examples:
+    >>> [nn.cache_kind(name) for name in ("softmax", "local", "linear_elu")]
+    ['kv', 'window', 'recurrent']
+  """
   streaming = get_spec(attention).streaming
   if streaming is None:
     return "kv"
@@ -111,13 +186,30 @@ class MultiHeadAttention(nnx.Module):
 
   Raises:
     ValueError: for an unknown variant or option, an option the layer owns,
-      a required option left out, ``qkv_features`` not divisible by N, N
-      not divisible by K, or a variant ``context_parallel`` cannot run.
+      a required option left out, ``num_heads`` or ``num_kv_heads`` that is
+      not a positive int, ``qkv_features`` not divisible by N, N not
+      divisible by K, a ``context_parallel`` that is not a
+      ``ContextParallel``, or a variant ``context_parallel`` cannot run.
 
   Examples:
-    >>> layer = MultiHeadAttention(4, 32, attention="linear_elu", rngs=nnx.Rngs(0))
+    >>> layer = nn.MultiHeadAttention(4, 32, attention="linear_elu", rngs=nnx.Rngs(0))
     >>> layer(jnp.ones((2, 10, 32)), is_causal=True).shape
     (2, 10, 32)
+
+    Decoding a prompt and then single tokens equals one causal call:
+
+    >>> x = jax.random.normal(jax.random.key(0), (2, 6, 32))  # [B, T, in]
+    >>> full = layer(x, is_causal=True)
+    >>> layer.init_cache(x.shape)
+    >>> prompt = layer(x[:, :4], is_causal=True, decode=True)
+    >>> steps = [layer(x[:, t:t + 1], is_causal=True, decode=True) for t in (4, 5)]
+    >>> bool(jnp.allclose(jnp.concatenate([prompt, *steps], axis=1), full, atol=1e-5))
+    True
+
+  References:
+    Vaswani et al., "Attention Is All You Need", 2017. Ainslie et al., "GQA:
+    Training Generalized Multi-Query Transformer Models from Multi-Head
+    Checkpoints", 2023.
   """
 
   def __init__(self, num_heads: int, in_features: int, *, qkv_features: int | None = None,
@@ -441,11 +533,34 @@ def as_flax_attention_fn(fn: Callable[..., Any]) -> Callable[..., jax.Array]:
   honour raises: a mask or bias for a function without one, dropout on
   weights it never forms, a ``precision``, or ``sow_weights`` (``module``).
 
+  Flax passes query ``[B, T, N, H]``, key ``[B, S, N, H]`` and value
+  ``[B, S, N, H]`` and expects ``[B, T, N, H]`` back, the layout of every
+  linattn_jax function.
+
   Args:
     fn: e.g. ``linear_attention``, or ``get_attention("local", window_size=64)``.
 
   Returns:
     A function with Flax's ``attention_fn`` signature.
+
+  Raises:
+    ValueError: when the returned function is called with what ``fn`` cannot
+      honour (listed above), naming each.
+
+  Examples:
+    >>> attention_fn = nn.as_flax_attention_fn(la.linear_attention)
+    >>> flax_layer = nnx.MultiHeadAttention(2, 16, attention_fn=attention_fn, decode=False,
+    ...                                     rngs=nnx.Rngs(0))
+    >>> x = jax.random.normal(jax.random.key(0), (1, 8, 16))
+    >>> flax_layer(x).shape
+    (1, 8, 16)
+
+    Same parameter names and shapes as this package's layer, so with the same
+    seed the two agree:
+
+    >>> ours = nn.MultiHeadAttention(2, 16, attention="linear_elu", rngs=nnx.Rngs(0))
+    >>> bool(jnp.allclose(ours(x), flax_layer(x), atol=1e-5))
+    True
   """
   takes = inspect.signature(fn).parameters
 

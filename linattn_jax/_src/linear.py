@@ -66,7 +66,28 @@ IMPLEMENTATIONS: tuple[str, ...] = typing.get_args(LinearImplementation)
 
 
 class LinearState(NamedTuple):
-  """Recurrent state of linear attention, per key/value head (accumulation dtype)."""
+  """Recurrent state of :func:`linear_attention`, per key/value head (accumulation dtype).
+
+  The keys seen so far, folded into two sums that a query reads as
+  ``out = φ(q)ᵀ kv / (φ(q)ᵀ k_sum + eps)``::
+
+      kv = Σ_j φ(k_j) v_jᵀ   [B, K, M, D]        k_sum = Σ_j φ(k_j)   [B, K, M]
+
+  M is the feature map's output size. Float32 (float64 for float64 inputs);
+  unbatched calls use the same fields without B. Made empty by
+  :func:`init_linear_state`, or returned by ``linear_attention(...,
+  return_state=True)`` and :func:`linear_attention_step`.
+
+  Attributes:
+    kv: ``[B, K, M, D]``: ``Σ_j φ(k_j) v_jᵀ``.
+    k_sum: ``[B, K, M]``: ``Σ_j φ(k_j)``.
+
+  Examples:
+    >>> x = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))  # [B, T, N=K, H=D]
+    >>> _, state = la.linear_attention(x, x, x, is_causal=True, return_state=True)
+    >>> state.kv.shape, state.k_sum.shape, state.kv.dtype  # elu + 1 keeps M = H.
+    ((1, 2, 4, 4), (1, 2, 4), dtype('float32'))
+  """
 
   kv: jax.Array  # [B, K, M, D]: Σ_j φ(k_j) v_jᵀ.
   k_sum: jax.Array  # [B, K, M]: Σ_j φ(k_j).
@@ -198,11 +219,22 @@ def linear_attention(
 
   Examples:
     >>> q = jnp.ones((2, 100, 8, 16)); kv = jnp.ones((2, 100, 2, 16))
-    >>> linear_attention(q, kv, kv, is_causal=True, chunk_size=32).shape
+    >>> la.linear_attention(q, kv, kv, is_causal=True, chunk_size=32).shape
     (2, 100, 8, 16)
 
+    Splitting a causal sequence and carrying the state equals one pass:
+
+    >>> x = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))  # [B, T, N, H]
+    >>> a, b = x[:, :3], x[:, 3:]
+    >>> full = la.linear_attention(x, x, x, is_causal=True)
+    >>> first, state = la.linear_attention(a, a, a, is_causal=True, return_state=True)
+    >>> rest = la.linear_attention(b, b, b, is_causal=True, initial_state=state)
+    >>> bool(jnp.allclose(jnp.concatenate([first, rest], axis=1), full, atol=1e-5))
+    True
+
   References:
-    Katharopoulos et al., "Transformers are RNNs", 2020.
+    Katharopoulos et al., "Transformers are RNNs: Fast Autoregressive
+    Transformers with Linear Attention", 2020.
   """
   featurizer, arrays = _Plain.split(feature_map)
   out, state = recurrence.recurrent_attention(
@@ -226,10 +258,43 @@ def linear_attention_reference(
     initial_state: LinearState | None = None,
     return_state: bool = False,
 ) -> jax.Array | tuple[jax.Array, LinearState]:
-  """The oracle: the masked ``[T, S]`` kernel matrix ``φ(Q) φ(K)ᵀ``, plain einsums.
+  """The oracle of :func:`linear_attention`: the masked ``[T, S]`` kernel matrix, plain einsums.
 
-  Same arguments and result as :func:`linear_attention`
-  (``implementation="reference"``). Never optimised.
+  ``out_t = Σ_j w_tj v_j / (Σ_j w_tj + eps)`` with the weights
+  ``w = φ(Q) φ(K)ᵀ`` formed at once (``[B, N, T, S]``: O(T·S) memory) and
+  masked for causality and padding. Same arguments and result as
+  :func:`linear_attention` with ``implementation="reference"``; the tests
+  judge every fast form against it. Never optimised.
+
+  Args:
+    query: ``[B, T, N, H]`` (or unbatched ``[T, N, H]``).
+    key: ``[B, S, K, H]``; K must divide N.
+    value: ``[B, S, K, D]``.
+    feature_map: as in :func:`linear_attention`.
+    is_causal: query t sees keys ``j <= t + S - T`` (bottom-right aligned).
+    key_value_seq_lengths: optional ``[B]`` ints; keys at or past it count nowhere.
+    eps: added to the normaliser (static float >= 0).
+    initial_state: a :class:`LinearState` ``[B, K, M, D]`` / ``[B, K, M]``
+      summarising earlier keys, seen by every query.
+    return_state: also return the state after the last valid key.
+
+  Returns:
+    ``[B, T, N, D]`` in the input dtype, or ``(out, LinearState)``.
+
+  Raises:
+    ValueError: as :func:`linear_attention`: bad shapes, dtypes or lengths,
+      a negative ``eps``, a feature map with inconsistent output shapes, or
+      an ``initial_state`` of the wrong shape.
+
+  Examples:
+    >>> x = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))
+    >>> fast = la.linear_attention(x, x, x, is_causal=True)
+    >>> slow = la.linear_attention_reference(x, x, x, is_causal=True)
+    >>> bool(jnp.allclose(fast, slow, atol=1e-5))
+    True
+
+  References:
+    Katharopoulos et al., "Transformers are RNNs", 2020.
   """
   return linear_attention(
       query, key, value, feature_map=feature_map, is_causal=is_causal,
@@ -241,7 +306,34 @@ def linear_attention_reference(
 def init_linear_state(
     batch: int, num_kv_heads: int, feature_dim: int, value_dim: int, dtype: Any = jnp.float32
 ) -> LinearState:
-  """The empty :class:`LinearState`: zeros ``[B, K, M, D]`` and ``[B, K, M]``."""
+  """The empty :class:`LinearState`: zeros ``kv [B, K, M, D]`` and ``k_sum [B, K, M]``.
+
+  The state of no keys (both sums empty), from which
+  :func:`linear_attention_step` decodes. M is the feature map's output
+  size: H for ``elu_plus_one``, ``relu`` and ``exp``; the projection's M for
+  ``projected`` (see ``feature_maps``).
+
+  Args:
+    batch: B.
+    num_kv_heads: K.
+    feature_dim: M.
+    value_dim: D.
+    dtype: the state's dtype: float32 for float32, bfloat16 and float16
+      inputs (the accumulation dtype), float64 for float64 ones.
+
+  Returns:
+    A :class:`LinearState` of zeros.
+
+  Raises:
+    ValueError: not raised here: the sizes are not checked (a state of the
+      wrong shape is reported, with both shapes, by the function it is
+      passed to).
+
+  Examples:
+    >>> state = la.init_linear_state(batch=2, num_kv_heads=1, feature_dim=4, value_dim=3)
+    >>> state.kv.shape, state.k_sum.shape, bool(jnp.all(state.kv == 0))
+    ((2, 1, 4, 3), (2, 1, 4), True)
+  """
   return LinearState(jnp.zeros((batch, num_kv_heads, feature_dim, value_dim), dtype),
                      jnp.zeros((batch, num_kv_heads, feature_dim), dtype))
 
@@ -255,18 +347,39 @@ def linear_attention_step(
     feature_map: FeatureMap = elu_plus_one,
     eps: float = DEFAULT_EPS,
 ) -> tuple[LinearState, jax.Array]:
-  """One decoding step: adds one key/value to the state and reads one query.
+  """One causal decoding step: adds one key/value to the state and reads one query.
+
+  ``kv ← kv + φ(k) vᵀ``, ``k_sum ← k_sum + φ(k)``, then
+  ``out = φ(q)ᵀ kv / (φ(q)ᵀ k_sum + eps)``: constant time and memory per
+  token. Scanned over T tokens from :func:`init_linear_state` it equals
+  ``linear_attention(..., is_causal=True)``.
 
   Args:
     state: :class:`LinearState` ``[B, K, M, D]`` / ``[B, K, M]``.
-    query: ``[B, N, H]``.
+    query: ``[B, N, H]`` (or unbatched ``[N, H]``, with an unbatched state).
     key: ``[B, K, H]``.
     value: ``[B, K, D]``.
     feature_map: as in :func:`linear_attention`.
     eps: as in :func:`linear_attention`.
 
   Returns:
-    ``(state, out)`` with out ``[B, N, D]``; ``lax.scan``-compatible.
+    ``(state, out)`` with out ``[B, N, D]`` in the input dtype; the new
+    state keeps the dtype of ``state``, so the step is ``lax.scan``-compatible.
+
+  Raises:
+    ValueError: if query, key and value are not all rank 3 (or all rank 2),
+      on mismatched shapes or dtypes, or for a state whose shapes do not
+      match them.
+
+  Examples:
+    >>> x = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))  # [B, T, N=K, H=D]
+    >>> def step(state, x_t):
+    ...   return la.linear_attention_step(state, x_t, x_t, x_t)
+    >>> empty = la.init_linear_state(1, 2, 4, 4)
+    >>> state, outs = jax.lax.scan(step, empty, x.swapaxes(0, 1))
+    >>> full = la.linear_attention(x, x, x, is_causal=True)
+    >>> bool(jnp.allclose(outs.swapaxes(0, 1), full, atol=1e-5))
+    True
   """
   return recurrence.one_token_step(linear_attention, state, query, key, value,
                                    feature_map=feature_map, eps=eps)

@@ -68,6 +68,16 @@ def causal(T: int, S: int | None = None) -> jax.Array:
 
   Returns:
     Boolean ``[T, S]``; entry ``[i, j]`` is ``j <= i + S - T``.
+
+  Raises:
+    ValueError: not raised here: T and S are not checked.
+
+  Examples:
+    >>> print(np.asarray(masks.causal(2, 4)).astype(int))
+    [[1 1 1 0]
+     [1 1 1 1]]
+    >>> masks.causal(3).shape, masks.causal(3).dtype
+    ((3, 3), dtype('bool'))
   """
   S = T if S is None else S
   q, k = _positions(T, S)
@@ -102,6 +112,16 @@ def padding(
 
   Raises:
     ValueError: if both lengths are None, or they are not rank 1.
+
+  Examples:
+    >>> m = masks.padding(3, 4, query_seq_lengths=jnp.array([2, 3]),
+    ...                   key_value_seq_lengths=jnp.array([3, 1]))
+    >>> m.shape
+    (2, 3, 4)
+    >>> print(np.asarray(m[0]).astype(int))
+    [[1 1 1 0]
+     [1 1 1 0]
+     [0 0 0 0]]
   """
   if query_seq_lengths is None and key_value_seq_lengths is None:
     raise ValueError("padding: give query_seq_lengths or key_value_seq_lengths.")
@@ -143,6 +163,25 @@ def local(T: int, S: int, window_size: Any) -> jax.Array:
       . x x x .
       . . x x x
       . . . x x
+
+  Entry ``[i, j]`` is ``-left <= j - (i + S - T) <= right``.
+
+  Args:
+    T: query length.
+    S: key length.
+    window_size: int or ``(left, right)`` of non-negative ints.
+
+  Returns:
+    Boolean ``[T, S]``.
+
+  Raises:
+    ValueError: for a negative window, or one that is not an int or a pair of ints.
+
+  Examples:
+    >>> print(np.asarray(masks.local(3, 5, (1, 0))).astype(int))
+    [[0 1 1 0 0]
+     [0 0 1 1 0]
+     [0 0 0 1 1]]
   """
   left, right = normalize_window(window_size, fn="local")
   q, k = _positions(T, S)
@@ -164,6 +203,31 @@ def strided(T: int, S: int, stride: int, window_size: Any = None) -> jax.Array:
       x . . x x x
 
   Combine with :func:`causal` for the causal pattern.
+
+  Entry ``[i, j]`` is ``j % stride == 0`` (or ``j`` in the window of i).
+
+  Args:
+    T: query length.
+    S: key length.
+    stride: distance between summary columns, a positive int.
+    window_size: optional int or ``(left, right)`` local window.
+
+  Returns:
+    Boolean ``[T, S]``.
+
+  Raises:
+    ValueError: for a ``stride`` that is not a positive int, or a negative
+      or malformed window.
+
+  Examples:
+    >>> m = masks.strided(6, 6, 3, (1, 0)) & masks.causal(6)
+    >>> print(np.asarray(m).astype(int))
+    [[1 0 0 0 0 0]
+     [1 1 0 0 0 0]
+     [1 1 1 0 0 0]
+     [1 0 1 1 0 0]
+     [1 0 0 1 1 0]
+     [1 0 0 1 1 1]]
   """
   stride = check_positive_int(stride, name="stride", fn="strided")
   q, k = _positions(T, S)
@@ -192,8 +256,18 @@ def block_sparse(layout: Any, block_size: int, T: int, S: int) -> jax.Array:
     T: query length.
     S: key length.
 
+  Returns:
+    Boolean ``[T, S]`` (or ``[N, T, S]`` for a per-head layout); entry
+    ``[i, j]`` is ``layout[i // block_size, j // block_size]``.
+
   Raises:
     ValueError: on a non-positive block size or a layout of the wrong shape.
+
+  Examples:
+    >>> print(np.asarray(masks.block_sparse([[1, 0], [1, 1]], 2, 3, 4)).astype(int))
+    [[1 1 0 0]
+     [1 1 0 0]
+     [1 1 1 1]]
   """
   block_size = check_positive_int(block_size, name="block_size", fn="block_sparse")
   layout = np.asarray(layout)
@@ -220,6 +294,28 @@ def longformer(T: int, S: int, window_size: Any, global_positions: Any) -> jax.A
       x x x . .
       x . x x .
       x . . x x
+
+  Args:
+    T: query length.
+    S: key length.
+    window_size: int or ``(left, right)``, as in :func:`local`.
+    global_positions: key positions of the global tokens (ints).
+
+  Returns:
+    Boolean ``[T, S]``: ``local(T, S, window_size)``, or a global key
+    column, or a global query row.
+
+  Raises:
+    ValueError: for a negative or malformed window. Global positions are not
+      checked: one outside ``[0, S)`` marks nothing.
+
+  Examples:
+    >>> print(np.asarray(masks.longformer(5, 5, (1, 0), [2])).astype(int))
+    [[1 0 1 0 0]
+     [1 1 1 0 0]
+     [1 1 1 1 1]
+     [0 0 1 1 0]
+     [0 0 1 1 1]]
   """
   glob = np.asarray(global_positions, np.int64).reshape(-1)
   q, k = _positions(T, S)
@@ -268,6 +364,33 @@ def bigbird_layout(
       x r x x x .
       x . r x x x
       x . . r x x
+
+  Args:
+    num_blocks: nb, the number of blocks per axis (a positive int).
+    num_window_blocks: w, blocks in the sliding window.
+    num_global_blocks: g, leading global blocks.
+    num_random_blocks: r, random blocks per non-global row.
+    rng: an int seed or a concrete ``jax.random`` key (the same rng gives
+      the same layout).
+    is_causal: keep only blocks ``b <= a``.
+
+  Returns:
+    A numpy bool ``[nb, nb]`` layout: ``block_sparse(layout, bs, T, T)``
+    expands it to the ``[T, T]`` mask of ``T = nb·bs`` tokens (see :func:`bigbird`).
+
+  Raises:
+    ValueError: for a ``num_blocks`` that is not a positive int, a block
+      count that is not a non-negative int, or an ``rng`` that is traced or
+      neither an int seed nor a PRNG key.
+
+  Examples:
+    >>> layout = masks.bigbird_layout(4, num_window_blocks=1, num_global_blocks=1,
+    ...                               num_random_blocks=0)
+    >>> print(layout.astype(int))
+    [[1 1 1 1]
+     [1 1 0 0]
+     [1 0 1 0]
+     [1 0 0 1]]
   """
   fn = "bigbird_layout"
   for name, n in (("num_window_blocks", num_window_blocks),
@@ -310,6 +433,31 @@ def bigbird(
   ``rng`` gives the same pattern as ``bigbird_attention``. Combine with
   :func:`causal` (or ``is_causal=True`` in the attention call) for the
   element-level causal rule inside diagonal blocks.
+
+  Args:
+    T: query length.
+    S: key length.
+    block_size: block length on both axes (a positive int).
+    num_window_blocks, num_global_blocks, num_random_blocks, rng, is_causal:
+      as in :func:`bigbird_layout`.
+
+  Returns:
+    Boolean ``[T, S]``.
+
+  Raises:
+    ValueError: for a ``block_size`` that is not a positive int, and as
+      :func:`bigbird_layout`.
+
+  Examples:
+    >>> m = masks.bigbird(6, 6, 2, num_window_blocks=1, num_global_blocks=1,
+    ...                   num_random_blocks=0)
+    >>> print(np.asarray(m).astype(int))
+    [[1 1 1 1 1 1]
+     [1 1 1 1 1 1]
+     [1 1 1 1 0 0]
+     [1 1 1 1 0 0]
+     [1 1 0 0 1 1]
+     [1 1 0 0 1 1]]
   """
   bs = check_positive_int(block_size, name="block_size", fn="bigbird")
   U = max(T, S)

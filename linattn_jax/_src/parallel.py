@@ -70,7 +70,24 @@ _RESERVED = ("initial_state", "return_state", "key_value_seq_lengths", "is_causa
 
 
 def recurrent_attentions() -> list[str]:
-  """Registered variants :func:`context_parallel_attention` runs (those with ``summarize``)."""
+  """Registered variants :func:`context_parallel_attention` runs (those with ``summarize``).
+
+  Takes no arrays. These variants fold keys into a fixed-size state (e.g.
+  ``[B, K, M, D]`` and its normaliser) whose ``combine`` is associative, so
+  devices exchange states, not keys. Exact softmax runs with
+  :func:`ring_attention` instead.
+
+  Returns:
+    A sorted list of registered names.
+
+  Raises:
+    ValueError: never.
+
+  Examples:
+    >>> names = parallel.recurrent_attentions()
+    >>> "performer" in names, "heinsen" in names, "softmax" in names
+    (True, True, False)
+  """
   return [name for name in available_attentions()
           if (s := get_spec(name).streaming) is not None and s.summarize is not None]
 
@@ -221,10 +238,12 @@ def context_parallel_attention(
     attention: a registered recurrent variant (see
       :func:`recurrent_attentions`): linear_elu, linear_relu, linear_learned,
       performer, random_fourier, efficient, heinsen.
-    mesh: the device mesh; ``axis_name`` is one of its axes.
+    mesh: the device mesh; ``axis_name`` is one of its axes. On a mesh whose
+      axes are Explicit (the default of ``jax.make_mesh``), pass arrays
+      sharded on it or call inside ``jax.set_mesh(mesh)``.
     axis_name: the mesh axis that splits the sequence (P devices). T need
       not be a multiple of P: the end is padded and hidden.
-    is_causal: query t sees keys ``j <= t``.
+    is_causal: query t sees keys ``j <= t`` (default True).
     key_value_seq_lengths: optional ``[B]`` ints; keys at or past it are hidden.
     **options: the variant's options, as for ``get_attention`` (arrays such
       as a ``projection`` are replicated to every device).
@@ -234,8 +253,26 @@ def context_parallel_attention(
 
   Raises:
     ValueError: for a variant without a recurrent state (use
-      :func:`ring_attention` for softmax), an unknown option, an axis not in
-      the mesh, T != S, or bad shapes.
+      :func:`ring_attention` for softmax), an unknown or missing option, an
+      option context parallelism sets itself (``initial_state``,
+      ``return_state``, ``key_value_seq_lengths``, ``is_causal``), a ``mesh``
+      that is not a ``jax.sharding.Mesh``, an axis not in the mesh, T != S,
+      or bad shapes, dtypes or lengths.
+
+  Examples:
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("seq",))
+    >>> x = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))  # [B, T, N, H]
+    >>> with jax.set_mesh(mesh):
+    ...   out = parallel.context_parallel_attention(x, x, x, attention="linear_elu",
+    ...                                             mesh=mesh, axis_name="seq")
+    >>> out.shape
+    (1, 8, 2, 4)
+    >>> single = la.get_attention("linear_elu")(x, x, x, is_causal=True)
+    >>> bool(jnp.allclose(out, single, atol=1e-5))
+    True
+
+  References:
+    Hillis & Steele, "Data Parallel Algorithms", 1986 (the scan over devices).
   """
   fn = "context_parallel_attention"
   recurrent = recurrent_attentions()
@@ -499,7 +536,9 @@ def ring_attention(
     query: ``[B, T, N, H]`` (or ``[T, N, H]``), sharded or not.
     key: ``[B, T, K, H]``; K must divide N (GQA / MQA).
     value: ``[B, T, K, D]``.
-    mesh: the device mesh; ``axis_name`` is one of its axes (P devices).
+    mesh: the device mesh; ``axis_name`` is one of its axes (P devices). On
+      a mesh whose axes are Explicit (the default of ``jax.make_mesh``), pass
+      arrays sharded on it or call inside ``jax.set_mesh(mesh)``.
     axis_name: the mesh axis that splits the sequence. T need not be a
       multiple of P (or 2P): the end is padded and hidden.
     is_causal: query t sees keys ``j <= t``.
@@ -513,10 +552,25 @@ def ring_attention(
     ``[B, T, N, D]`` in the input dtype; rows with no visible key are zero.
 
   Raises:
-    ValueError: for an axis not in the mesh, T != S, bad block sizes or shapes.
+    ValueError: for a ``mesh`` that is not a ``jax.sharding.Mesh``, an axis
+      not in the mesh, T != S, block sizes that are not positive ints, or bad
+      shapes, dtypes or lengths.
+
+  Examples:
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("seq",))
+    >>> x = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))  # [B, T, N, H]
+    >>> with jax.set_mesh(mesh):
+    ...   out = parallel.ring_attention(x, x, x, mesh=mesh, axis_name="seq", is_causal=True)
+    >>> out.shape
+    (1, 8, 2, 4)
+    >>> bool(jnp.allclose(out, la.softmax_attention(x, x, x, is_causal=True), atol=1e-5))
+    True
 
   References:
-    Liu et al., Ring Attention (2023); Brandon et al., Striped Attention (2023).
+    Liu, Zaharia & Abbeel, "Ring Attention with Blockwise Transformers for
+    Near-Infinite Context", 2023; Brandon et al., "Striped Attention: Faster
+    Ring Attention for Causal Transformers", 2023 (causal load balancing; the
+    zig-zag order used here is a variant of it).
   """
   fn = "ring_attention"
   is_causal = checks.check_static_bool(is_causal, name="is_causal", fn=fn)
@@ -554,10 +608,35 @@ _RING_OPTIONS = ("scale", "block_q", "block_k", "load_balance")
 class ContextParallel:
   """Where a layer splits its sequence: the ``axis_name`` axis of ``mesh``.
 
-  :meth:`attend` runs a registered variant with context parallelism:
+  :meth:`attend` runs a registered variant with context parallelism on
+  query ``[B, T, N, H]``, key ``[B, T, K, H]`` and value ``[B, T, K, D]``
+  (one sequence, T = S), returning ``[B, T, N, D]``:
   :func:`ring_attention` for ``"softmax"`` and ``"flash"``,
   :func:`context_parallel_attention` for the recurrent variants. Give it to
   ``linattn_jax.nn.MultiHeadAttention(context_parallel=...)``.
+
+  Attributes:
+    mesh: a ``jax.sharding.Mesh``.
+    axis_name: the mesh axis that splits the sequence.
+
+  Raises:
+    ValueError: at construction, for a ``mesh`` that is not a
+      ``jax.sharding.Mesh`` or an ``axis_name`` that is not one of its axes;
+      in :meth:`check` and :meth:`attend`, for a variant without a
+      context-parallel form or ring options other than ``scale``,
+      ``block_q``, ``block_k`` and ``load_balance``.
+
+  Examples:
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("seq",))
+    >>> cp = parallel.ContextParallel(mesh, "seq")
+    >>> layer = nn.MultiHeadAttention(2, 16, attention="linear_elu", context_parallel=cp,
+    ...                               rngs=nnx.Rngs(0))
+    >>> x = jax.random.normal(jax.random.key(0), (1, 12, 16))  # [B, T, in]
+    >>> with jax.set_mesh(mesh):
+    ...   out = layer(x, is_causal=True)
+    >>> single = nn.MultiHeadAttention(2, 16, attention="linear_elu", rngs=nnx.Rngs(0))
+    >>> out.shape, bool(jnp.allclose(out, single(x, is_causal=True), atol=1e-5))
+    ((1, 12, 16), True)
   """
 
   mesh: Mesh

@@ -62,10 +62,29 @@ DEFAULT_NUM_FEATURES = 256
 
 
 class PerformerState(NamedTuple):
-  """Recurrent Performer state per key/value head, in units of ``exp(running_max)``.
+  """Recurrent state of :func:`performer_attention` per kv head, in units of ``exp(running_max)``.
 
-  The sums it stands for are ``exp(running_max) * kv`` and
-  ``exp(running_max) * k_sum`` (accumulation dtype).
+  With the features written ``φ(k_j) = exp(s_j) φ̃(k_j)`` (``|φ̃| <= 1``),
+  the sums it stands for are::
+
+      Σ_j φ(k_j) v_jᵀ = exp(running_max) · kv      Σ_j φ(k_j) = exp(running_max) · k_sum
+
+  and ``running_max`` only ever grows, so nothing overflows. Float32
+  (float64 for float64 inputs); unbatched calls use the same fields without
+  B. M is the feature size: the projection's M for ``kernel="positive"``,
+  2M for ``"trig"``.
+
+  Attributes:
+    kv: ``[B, K, M, D]``: ``Σ_j exp(s_j - running_max) φ̃(k_j) v_jᵀ``.
+    k_sum: ``[B, K, M]``: ``Σ_j exp(s_j - running_max) φ̃(k_j)``.
+    running_max: ``[B, K]``: the largest ``s_j`` so far (``-inf`` before any key).
+
+  Examples:
+    >>> state = la.init_performer_state(batch=1, num_kv_heads=2, feature_dim=8, value_dim=4)
+    >>> state.kv.shape, state.k_sum.shape, state.running_max.shape
+    ((1, 2, 8, 4), (1, 2, 8), (1, 2))
+    >>> bool(jnp.all(jnp.isneginf(state.running_max)))
+    True
   """
 
   kv: jax.Array  # [B, K, M, D]: Σ_j exp(s_j - running_max) φ̃(k_j) v_jᵀ.
@@ -140,10 +159,21 @@ def performer_attention(
       or a projection that is not ``[M, H]``.
 
   Examples:
-    >>> w = orthogonal_random_projection(jax.random.key(0), 128, 64)
-    >>> q = k = v = jnp.ones((1, 512, 4, 64))
-    >>> performer_attention(q, k, v, projection=w, is_causal=True).shape
-    (1, 512, 4, 64)
+    >>> w = feature_maps.orthogonal_random_projection(jax.random.key(0), 32, 16)  # [M, H]
+    >>> q = k = v = jnp.ones((1, 100, 4, 16))
+    >>> la.performer_attention(q, k, v, projection=w, is_causal=True).shape
+    (1, 100, 4, 16)
+
+    With many features and moderate logits it approaches softmax attention
+    with scale ``1 / √H`` (the estimate's variance grows quickly with
+    ``‖q‖`` and ``‖k‖``):
+
+    >>> x = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))
+    >>> q = k = x / 4
+    >>> w = feature_maps.orthogonal_random_projection(jax.random.key(2), 4096, 4)
+    >>> approx = la.performer_attention(q, k, x, projection=w)
+    >>> bool(jnp.allclose(approx, la.softmax_attention(q, k, x), atol=0.05))
+    True
 
   References:
     Choromanski et al., "Rethinking Attention with Performers", ICLR 2021.
@@ -172,10 +202,40 @@ def performer_attention_reference(
     initial_state: PerformerState | None = None,
     return_state: bool = False,
 ) -> jax.Array | tuple[jax.Array, PerformerState]:
-  """The oracle: the masked, stabilised ``[T, S]`` kernel matrix, plain einsums.
+  """The oracle of :func:`performer_attention`: the masked, stabilised ``[T, S]`` kernel matrix.
 
-  Same arguments and result as :func:`performer_attention`
-  (``implementation="reference"``).
+  ``out_t = Σ_j w_tj v_j / (Σ_j w_tj + eps·exp(s_q,t + m_t))`` with the
+  weights ``w_tj = φ(q_t)·φ(k_j)`` formed at once (``[B, N, T, S]``: O(T·S)
+  memory, plain einsums) and masked for causality and padding. Same
+  arguments and result as :func:`performer_attention` with
+  ``implementation="reference"``; never optimised.
+
+  Args:
+    query: ``[B, T, N, H]`` (or unbatched ``[T, N, H]``).
+    key: ``[B, S, K, H]``; K must divide N.
+    value: ``[B, S, K, D]``.
+    projection: ``[M, H]`` random directions.
+    is_causal, key_value_seq_lengths, kernel, eps, initial_state,
+      return_state: as in :func:`performer_attention`.
+
+  Returns:
+    ``[B, T, N, D]`` in the input dtype, or ``(out, PerformerState)``.
+
+  Raises:
+    ValueError: as :func:`performer_attention`: bad shapes, dtypes or
+      lengths, an unknown ``kernel``, a projection that is not ``[M, H]``, a
+      negative ``eps``, or an ``initial_state`` of the wrong shape.
+
+  Examples:
+    >>> x = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))
+    >>> w = feature_maps.orthogonal_random_projection(jax.random.key(1), 8, 4)
+    >>> fast = la.performer_attention(x, x, x, projection=w, is_causal=True)
+    >>> slow = la.performer_attention_reference(x, x, x, projection=w, is_causal=True)
+    >>> bool(jnp.allclose(fast, slow, atol=1e-5))
+    True
+
+  References:
+    Choromanski et al., "Rethinking Attention with Performers", ICLR 2021.
   """
   return performer_attention(
       query, key, value, projection=projection, is_causal=is_causal,
@@ -187,9 +247,35 @@ def performer_attention_reference(
 def init_performer_state(
     batch: int, num_kv_heads: int, feature_dim: int, value_dim: int, dtype: Any = jnp.float32
 ) -> PerformerState:
-  """The empty :class:`PerformerState` (zero sums, ``running_max = -inf``).
+  """The empty :class:`PerformerState`: zero sums, ``running_max = -inf``.
 
-  ``feature_dim`` is M for ``kernel="positive"`` and 2M for ``"trig"``.
+  Zeros ``kv [B, K, M, D]`` and ``k_sum [B, K, M]`` and ``running_max
+  [B, K]`` of ``-inf``: the state of no keys, from which
+  :func:`performer_attention_step` decodes.
+
+  Args:
+    batch: B.
+    num_kv_heads: K.
+    feature_dim: the feature size: M (the projection's rows) for
+      ``kernel="positive"``, 2M for ``"trig"``.
+    value_dim: D.
+    dtype: the state's dtype: float32 for float32, bfloat16 and float16
+      inputs, float64 for float64 ones.
+
+  Returns:
+    A :class:`PerformerState`.
+
+  Raises:
+    ValueError: not raised here: the sizes are not checked (a state of the
+      wrong shape is reported by the function it is passed to).
+
+  Examples:
+    >>> w = feature_maps.orthogonal_random_projection(jax.random.key(1), 8, 4)  # [M, H]
+    >>> state = la.init_performer_state(1, 2, 2 * 8, 4)  # "trig": 2M features.
+    >>> x = jnp.ones((1, 2, 4))  # One token: [B, K, H]; N = K here.
+    >>> state, out = la.performer_attention_step(state, x, x, x, projection=w, kernel="trig")
+    >>> state.kv.shape, out.shape
+    ((1, 2, 16, 4), (1, 2, 4))
   """
   B, K = batch, num_kv_heads
   return PerformerState(jnp.zeros((B, K, feature_dim, value_dim), dtype),
@@ -208,8 +294,44 @@ def performer_attention_step(
 ) -> tuple[PerformerState, jax.Array]:
   """One decoding step: ``[B, N, H]``, ``[B, K, H]``, ``[B, K, D]`` in; ``(state, [B, N, D])``.
 
-  Adds one key/value to the state (rescaling it if the key raises the
-  running maximum) and reads one query; ``lax.scan``-compatible.
+  Adds one key/value to the state (rescaling it by ``exp(m_old - m_new)``
+  if the key raises the running maximum) and reads one query,
+  ``out = φ(q)ᵀ kv / (φ(q)ᵀ k_sum + eps)`` in the state's units; the new
+  state keeps the dtype of ``state``, so the step is ``lax.scan``-compatible.
+  Scanned over T tokens from :func:`init_performer_state` it equals
+  ``performer_attention(..., is_causal=True)`` with the same projection.
+
+  Args:
+    state: a :class:`PerformerState` ``[B, K, M, D]`` / ``[B, K, M]`` / ``[B, K]``.
+    query: ``[B, N, H]`` (or unbatched ``[N, H]``, with an unbatched state).
+    key: ``[B, K, H]``.
+    value: ``[B, K, D]``.
+    projection: ``[M, H]``, as in :func:`performer_attention`.
+    kernel: ``"positive"`` or ``"trig"``.
+    eps: as in :func:`performer_attention`.
+
+  Returns:
+    ``(state, out)`` with ``out`` ``[B, N, D]`` in the input dtype.
+
+  Raises:
+    ValueError: if query, key and value are not all rank 3 (or all rank 2),
+      and as :func:`performer_attention` for bad shapes, an unknown
+      ``kernel``, a projection that is not ``[M, H]`` or a state that does
+      not match.
+
+  Examples:
+    >>> x = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))  # [B, T, N=K, H=D]
+    >>> w = feature_maps.orthogonal_random_projection(jax.random.key(1), 8, 4)
+    >>> def step(state, x_t):
+    ...   return la.performer_attention_step(state, x_t, x_t, x_t, projection=w)
+    >>> empty = la.init_performer_state(1, 2, 8, 4)
+    >>> state, outs = jax.lax.scan(step, empty, x.swapaxes(0, 1))
+    >>> full = la.performer_attention(x, x, x, projection=w, is_causal=True)
+    >>> bool(jnp.allclose(outs.swapaxes(0, 1), full, atol=1e-5))
+    True
+
+  References:
+    Choromanski et al., "Rethinking Attention with Performers", ICLR 2021.
   """
   return recurrence.one_token_step(performer_attention, state, query, key, value,
                                    projection=projection, kernel=kernel, eps=eps)

@@ -20,7 +20,24 @@ from typing import Any, Protocol
 
 
 class AttentionFn(Protocol):
-  """The uniform signature every registered attention has."""
+  """The uniform signature every registered attention has, as :func:`get_attention` returns it.
+
+  ``fn(query, key, value, *, is_causal=False, key_value_seq_lengths=None) -> out``
+  with query ``[B, T, N, H]``, key ``[B, S, K, H]``, value ``[B, S, K, D]``
+  (K divides N; or all three unbatched, without B) and ``out`` ``[B, T, N, D]``
+  in the input dtype. ``is_causal``: query t sees keys ``j <= t + S - T``;
+  ``key_value_seq_lengths``: optional ``[B]`` ints, keys at or past it are
+  masked. The variant's own options are bound when the function is built, so
+  experiments and layers swap variants by name alone.
+
+  Examples:
+    >>> x = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))
+    >>> for name in ("softmax", "linear_elu", "heinsen"):
+    ...   print(name, la.get_attention(name)(x, x, x, is_causal=True).shape)
+    softmax (1, 8, 2, 4)
+    linear_elu (1, 8, 2, 4)
+    heinsen (1, 8, 2, 4)
+  """
 
   def __call__(self, query: Any, key: Any, value: Any, *, is_causal: bool = False,
                key_value_seq_lengths: Any = None) -> Any:
@@ -52,6 +69,23 @@ class StreamingSpec:
       summaries of spans (chunks, devices) combine into the summary of all.
 
   Options are filtered by name to those each function accepts.
+
+  Examples:
+    >>> streaming = la.get_spec("linear_elu").streaming
+    >>> x = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))  # [B, T, N=K, H=D]
+    >>> state = streaming.init(x, x, x)
+    >>> state, out = streaming.step(state, x[:, 0], x[:, 0], x[:, 0])
+    >>> out.shape  # [B, N, D]
+    (1, 2, 4)
+
+    Summaries of consecutive spans combine into the summary of both:
+
+    >>> a, b = x[:, :3], x[:, 3:]
+    >>> both = streaming.combine(streaming.summarize(a, a), streaming.summarize(b, b))
+    >>> bool(jnp.allclose(both.kv, streaming.summarize(x, x).kv, atol=1e-5))
+    True
+    >>> la.get_spec("softmax").streaming is None  # Exact softmax keeps a KV cache.
+    True
   """
 
   init: Callable[..., Any]
@@ -85,7 +119,13 @@ class ParamSpec:
 
 @dataclasses.dataclass(frozen=True)
 class AttentionSpec:
-  """One registered variant.
+  """One registered variant: its function, its oracle and what it supports.
+
+  The registry maps a name to one of these (:func:`get_spec`);
+  :func:`get_attention` binds options to ``function``, whose uniform
+  signature is :class:`AttentionFn` (query ``[B, T, N, H]``, key
+  ``[B, S, K, H]``, value ``[B, S, K, D]``, out ``[B, T, N, D]``). The shared
+  test suite, the layers and context parallelism read the other fields.
 
   Attributes:
     name: registry name.
@@ -119,6 +159,28 @@ class AttentionSpec:
       implies, the magnitudes of the terms forming them, and the normaliser
       ``[B, N, T]``. Where the features are signed the normaliser can cancel;
       the shared suite then judges parity by each row's conditioning.
+
+  Raises:
+    ValueError: if ``suite_implementations`` lists a name that is not among
+      ``implementations``.
+
+  Examples:
+    >>> spec = la.get_spec("performer")
+    >>> spec.name, spec.streaming is not None, spec.params.names
+    ('performer', True, ('projection',))
+    >>> sorted(spec.how_options), spec.supports("parallel", is_causal=True)
+    (['chunk_size', 'implementation'], False)
+
+    A new variant is a function with the uniform keywords (plus its own
+    options) and an oracle to judge it by:
+
+    >>> def halved(query, key, value, *, is_causal=False, key_value_seq_lengths=None):
+    ...   return la.softmax_attention(query, key, value, scale=0.5, is_causal=is_causal,
+    ...                               key_value_seq_lengths=key_value_seq_lengths)
+    >>> mine = la.AttentionSpec(name="halved_softmax", function=halved, reference=halved)
+    >>> x = jnp.ones((1, 8, 2, 4))
+    >>> mine.build()(x, x, x, is_causal=True).shape
+    (1, 8, 2, 4)
   """
 
   name: str
@@ -200,7 +262,29 @@ def accepted(function: Callable[..., Any], options: Mapping[str, Any]) -> dict[s
 
 
 def register_attention(spec: AttentionSpec) -> AttentionSpec:
-  """Adds ``spec`` to the registry (a name can be registered once)."""
+  """Adds ``spec`` to the registry (a name can be registered once).
+
+  Afterwards ``get_attention(spec.name, **options)`` builds it, the layers
+  (``linattn_jax.nn``) accept its name, and the shared test suite runs it
+  against ``spec.reference``. Takes no arrays: the spec's function takes
+  query ``[B, T, N, H]``, key ``[B, S, K, H]`` and value ``[B, S, K, D]``
+  when it is called.
+
+  Args:
+    spec: the :class:`AttentionSpec` to register.
+
+  Returns:
+    ``spec``, so that the call can wrap its construction.
+
+  Raises:
+    ValueError: if ``spec.name`` is already registered.
+
+  Examples:
+    >>> la.register_attention(la.get_spec("softmax"))
+    Traceback (most recent call last):
+    ...
+    ValueError: register_attention: 'softmax' is already registered.
+  """
   if spec.name in _REGISTRY:
     raise ValueError(f"register_attention: {spec.name!r} is already registered.")
   _REGISTRY[spec.name] = spec
@@ -208,7 +292,26 @@ def register_attention(spec: AttentionSpec) -> AttentionSpec:
 
 
 def get_spec(name: str) -> AttentionSpec:
-  """The :class:`AttentionSpec` registered as ``name``."""
+  """The :class:`AttentionSpec` registered as ``name``.
+
+  Takes no arrays; the spec describes the variant: its function
+  (``[B, T, N, H]``, ``[B, S, K, H]``, ``[B, S, K, D]`` in,
+  ``[B, T, N, D]`` out), oracle, options, streaming protocol and arrays.
+
+  Raises:
+    ValueError: for a name that is not registered (the message lists the
+      available ones).
+
+  Examples:
+    >>> la.get_spec("performer").streaming is not None
+    True
+    >>> la.get_spec("local").streaming.state_passing  # A ring buffer, not a state.
+    False
+    >>> la.get_spec("no_such_attention")
+    Traceback (most recent call last):
+    ...
+    ValueError: unknown attention 'no_such_attention'; available: [...].
+  """
   if name not in _REGISTRY:
     raise ValueError(
         f"unknown attention {name!r}; available: {available_attentions()}."
@@ -220,19 +323,55 @@ def get_attention(name: str, **options: Any) -> AttentionFn:
   """Returns the attention called ``name`` with ``options`` bound.
 
   The result has the uniform signature ``fn(query, key, value, *,
-  is_causal=False, key_value_seq_lengths=None)``.
+  is_causal=False, key_value_seq_lengths=None)`` (:class:`AttentionFn`):
+  query ``[B, T, N, H]``, key ``[B, S, K, H]``, value ``[B, S, K, D]`` in,
+  ``[B, T, N, D]`` out, and
+  ``get_attention(name, **options)(q, k, v, ...)`` is
+  ``get_spec(name).function(q, k, v, ..., **options)``. The option names are
+  checked here, so a misspelt option fails at once.
+
+  Args:
+    name: a name from :func:`available_attentions`.
+    **options: the variant's keyword options (e.g. ``window_size`` for
+      ``"local"``, ``num_features`` and ``rng`` for ``"performer"``).
+
+  Returns:
+    The function with ``options`` bound.
 
   Raises:
-    ValueError: for an unknown name, an option the variant does not take, or
-      a required option (e.g. ``window_size`` of ``"local"``) left out.
+    ValueError: for an unknown name, an option the variant does not take,
+      ``is_causal`` or ``key_value_seq_lengths`` given as an option, or a
+      required option (e.g. ``window_size`` of ``"local"``) left out.
 
   Examples:
-    >>> attn = get_attention("flash", block_q=128)
-    >>> out = attn(q, k, v, is_causal=True)  # doctest: +SKIP
+    >>> attn = la.get_attention("flash", block_q=128)
+    >>> x = jnp.ones((1, 8, 2, 4))
+    >>> attn(x, x, x, is_causal=True).shape
+    (1, 8, 2, 4)
+    >>> la.get_attention("local")
+    Traceback (most recent call last):
+    ...
+    ValueError: get_attention('local'): missing required option(s) ['window_size']; ...
   """
   return get_spec(name).build(**options)
 
 
 def available_attentions() -> list[str]:
-  """Names accepted by :func:`get_attention`, sorted."""
+  """Names accepted by :func:`get_attention`, sorted.
+
+  Takes no arrays. Every name's function has the uniform signature of
+  :class:`AttentionFn` (``[B, T, N, H]``, ``[B, S, K, H]``, ``[B, S, K, D]``
+  in, ``[B, T, N, D]`` out).
+
+  Returns:
+    A new sorted list of the registered names.
+
+  Raises:
+    ValueError: never.
+
+  Examples:
+    >>> names = la.available_attentions()
+    >>> "performer" in names, "softmax" in names, names == sorted(names)
+    (True, True, True)
+  """
   return sorted(_REGISTRY)

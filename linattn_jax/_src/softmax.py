@@ -79,8 +79,23 @@ def softmax_attention(
 
   Examples:
     >>> q = jnp.ones((2, 16, 8, 64)); kv = jnp.ones((2, 16, 2, 64))
-    >>> softmax_attention(q, kv, kv, is_causal=True).shape
+    >>> la.softmax_attention(q, kv, kv, is_causal=True).shape
     (2, 16, 8, 64)
+
+    ``is_causal`` is the mask ``masks.causal(T, S)``, bottom-right aligned for T != S
+    (here 3 new queries after 5 cached keys):
+
+    >>> q = jax.random.normal(jax.random.key(0), (1, 3, 2, 4))
+    >>> kv = jax.random.normal(jax.random.key(1), (1, 8, 2, 4))
+    >>> causal = la.softmax_attention(q, kv, kv, is_causal=True)
+    >>> masked = la.softmax_attention(q, kv, kv, mask=masks.causal(3, 8))
+    >>> bool(jnp.allclose(causal, masked, atol=1e-6))
+    True
+
+  References:
+    Vaswani et al., "Attention Is All You Need", 2017. Shazeer, "Fast Transformer
+    Decoding: One Write-Head is All You Need", 2019 (MQA). Ainslie et al., "GQA: Training
+    Generalized Multi-Query Transformer Models from Multi-Head Checkpoints", 2023.
   """
   return _dispatch(
       query, key, value, bias=bias, mask=mask, is_causal=is_causal, scale=scale,

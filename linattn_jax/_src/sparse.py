@@ -131,13 +131,15 @@ def local_attention(
 ) -> jax.Array | tuple[jax.Array, LocalState]:
   """Sliding-window softmax attention in O(T·w).
 
-  Query i attends to keys ``i - left .. i + right`` (positions aligned
+  ``out_i = Σ_j softmax_j(q_i·k_j·scale) v_j`` over the keys
+  ``j = i' - left .. i' + right`` with ``i' = i + S - T`` (positions aligned
   bottom-right when T != S), as ``jax.nn.dot_product_attention``'s
   ``local_window_size``; with ``is_causal`` the right side is 0. Equals
   ``softmax_attention(..., mask=masks.local(T, S, window_size))``.
 
   Args:
-    query: ``[B, T, N, H]``; key ``[B, S, K, H]``; value ``[B, S, K, D]``.
+    query: ``[B, T, N, H]``; key ``[B, S, K, H]``; value ``[B, S, K, D]``;
+      K must divide N (GQA / MQA). Unbatched rank-3 inputs are accepted.
     window_size: int (symmetric) or ``(left, right)``, non-negative.
     is_causal: drop keys after the query (right side 0).
     scale: logit scale, default ``1 / sqrt(H)``.
@@ -156,7 +158,20 @@ def local_attention(
 
   Raises:
     ValueError: negative or malformed windows, bad block sizes, bad shapes,
+      dtypes or lengths, an unknown implementation,
       ``return_state`` without ``is_causal`` or with ``key_value_seq_lengths``.
+
+  Examples:
+    >>> x = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))  # [B, T, N, H]
+    >>> out = la.local_attention(x, x, x, window_size=(2, 1), block_size=4)
+    >>> out.shape
+    (1, 8, 2, 4)
+    >>> dense = la.softmax_attention(x, x, x, mask=masks.local(8, 8, (2, 1)))
+    >>> bool(jnp.allclose(out, dense, atol=1e-5))
+    True
+
+  References:
+    Beltagy et al., "Longformer: The Long-Document Transformer", 2020 (sliding window).
   """
   fn = "local_attention"
   left, right = masks_lib.normalize_window(window_size, fn=fn)
@@ -192,7 +207,23 @@ def _window_state(key: Any, value: Any, left: int) -> LocalState:
 
 
 class LocalState(NamedTuple):
-  """Ring buffer of the last W = left + 1 keys and values (causal streaming)."""
+  """Decoding state of causal :func:`local_attention`: the last W = left + 1 keys and values.
+
+  A ring buffer: position p is kept in slot ``p % W``, so the memory is
+  ``W·K·(H + D)`` per example whatever the position. Unbatched states drop B.
+
+  Attributes:
+    keys: ``[B, W, K, H]`` in the input dtype; slot ``p % W`` holds position p.
+    values: ``[B, W, K, D]`` in the input dtype.
+    position: ``[]`` int32: the tokens seen so far.
+
+  Examples:
+    >>> x = jnp.ones((1, 7, 2, 4))  # [B, S, K, H]
+    >>> _, state = la.local_attention(x, x, x, window_size=(3, 0), is_causal=True,
+    ...                               return_state=True)
+    >>> state.keys.shape, state.values.shape, int(state.position)
+    ((1, 4, 2, 4), (1, 4, 2, 4), 7)
+  """
 
   keys: jax.Array  # [B, W, K, H] input dtype; slot p % W holds position p.
   values: jax.Array  # [B, W, K, D] input dtype.
@@ -201,10 +232,32 @@ class LocalState(NamedTuple):
 
 def init_local_state(batch: int, window_size: Any, num_kv_heads: int, head_dim: int,
                      value_dim: int, dtype: Any = jnp.float32) -> LocalState:
-  """Empty :class:`LocalState` for causal ``local_attention_step``.
+  """Empty :class:`LocalState` for causal :func:`local_attention_step`.
 
-  Only the left window matters for causal decoding: memory is
-  ``(left + 1)·K·(H + D)`` per example, whatever the position.
+  Zeros ``keys [B, W, K, H]`` and ``values [B, W, K, D]`` with W = left + 1,
+  and ``position = 0``. Only the left window matters for causal decoding:
+  memory is ``(left + 1)·K·(H + D)`` per example, whatever the position.
+
+  Args:
+    batch: B.
+    window_size: int or ``(left, right)``, as in :func:`local_attention`
+      (``right`` is ignored: decoding is causal).
+    num_kv_heads: K.
+    head_dim: H.
+    value_dim: D.
+    dtype: the dtype of the cached keys and values (that of the inputs).
+
+  Returns:
+    A :class:`LocalState`.
+
+  Raises:
+    ValueError: for a negative or malformed ``window_size``. The other
+      sizes are not checked.
+
+  Examples:
+    >>> state = la.init_local_state(1, (3, 0), num_kv_heads=2, head_dim=4, value_dim=5)
+    >>> state.keys.shape, state.values.shape, int(state.position)
+    ((1, 4, 2, 4), (1, 4, 2, 5), 0)
   """
   left, _ = masks_lib.normalize_window(window_size, fn="init_local_state")
   W = left + 1
@@ -220,13 +273,34 @@ def local_attention_step(state: LocalState, query: jax.Array, key: jax.Array, va
   Writes the new key/value into slot ``position % W`` and attends over the
   filled slots, i.e. positions ``position - left .. position``.
 
+  ``out = Σ_j softmax_j(q·k_j·scale) v_j`` over the (at most ``left + 1``)
+  keys in the buffer, this one included. Scanned over T tokens from
+  :func:`init_local_state` it equals ``local_attention(..., is_causal=True)``.
+
   Args:
-    state: from :func:`init_local_state` or a previous step.
-    query: ``[B, N, H]``; key ``[B, K, H]``; value ``[B, K, D]``.
+    state: a :class:`LocalState` ``[B, W, K, H]`` / ``[B, W, K, D]``, from
+      :func:`init_local_state`, a previous step, or ``local_attention(...,
+      return_state=True)``.
+    query: ``[B, N, H]``; key ``[B, K, H]``; value ``[B, K, D]`` (batched
+      only; key and value are arrays with a ``.shape``).
     scale: logit scale, default ``1 / sqrt(H)``.
 
   Returns:
     ``(state, out)`` with ``out`` ``[B, N, D]`` in the query dtype.
+
+  Raises:
+    ValueError: if the query is not rank 3, or the shapes do not match the
+      state's B, K, H and D (or K does not divide N).
+
+  Examples:
+    >>> x = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))  # [B, T, N=K, H=D]
+    >>> def step(state, x_t):
+    ...   return la.local_attention_step(state, x_t, x_t, x_t)
+    >>> empty = la.init_local_state(1, (2, 0), 2, 4, 4)
+    >>> state, outs = jax.lax.scan(step, empty, x.swapaxes(0, 1))
+    >>> full = la.local_attention(x, x, x, window_size=(2, 0), is_causal=True)
+    >>> bool(jnp.allclose(outs.swapaxes(0, 1), full, atol=1e-5))
+    True
   """
   fn = "local_attention_step"
   B, W, K, H = state.keys.shape
@@ -266,15 +340,36 @@ def strided_attention(
 ) -> jax.Array:
   """Strided ("summary column") attention plus an optional local window.
 
-  Query i sees keys j with ``j % stride == 0``, plus keys in its window when
-  ``window_size`` is given: the Sparse Transformer combination in which any
-  key is two hops away. Cost O(T·(S / stride + w)). Equals
+  ``out_i = Σ_j softmax_j(q_i·k_j·scale) v_j`` over the keys j with
+  ``j % stride == 0``, plus keys in query i's window when ``window_size`` is
+  given: the Sparse Transformer combination in which any key is two hops
+  away. Cost O(T·(S / stride + w)). Equals
   ``softmax_attention(..., mask=masks.strided(T, S, stride, window_size))``.
 
   Args:
+    query: ``[B, T, N, H]``; key ``[B, S, K, H]``; value ``[B, S, K, D]``.
     stride: distance between summary columns, >= 1.
     window_size: optional int or ``(left, right)`` local window.
     (Others as :func:`local_attention`.)
+
+  Returns:
+    ``[B, T, N, D]`` in the input dtype; rows with no visible key are zero.
+
+  Raises:
+    ValueError: for a ``stride`` or ``block_size`` that is not a positive
+      int, a negative or malformed window, bad shapes, dtypes or lengths, or
+      an unknown implementation.
+
+  Examples:
+    >>> x = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))
+    >>> out = la.strided_attention(x, x, x, stride=3, window_size=(1, 0), is_causal=True)
+    >>> mask = masks.strided(8, 8, 3, (1, 0))
+    >>> dense = la.softmax_attention(x, x, x, mask=mask, is_causal=True)
+    >>> out.shape, bool(jnp.allclose(out, dense, atol=1e-5))
+    ((1, 8, 2, 4), True)
+
+  References:
+    Child et al., "Generating Long Sequences with Sparse Transformers", 2019.
   """
   fn = "strided_attention"
   stride = checks.check_positive_int(stride, name="stride", fn=fn)
@@ -359,18 +454,40 @@ def block_sparse_attention(
 ) -> jax.Array:
   """Softmax attention over the key blocks a static block layout selects.
 
-  ``layout[a, b]`` (or ``layout[n, a, b]`` per query head) says whether query
-  block a (rows ``a·bs .. a·bs + bs - 1``) attends to key block b. Each query
-  block gathers only its selected key blocks: cost O(T · bs · max row count).
+  ``out_i = Σ_j softmax_j(q_i·k_j·scale) v_j`` over the keys j whose block
+  ``j // bs`` has ``layout[i // bs, j // bs]`` set: ``layout[a, b]`` (or
+  ``layout[n, a, b]`` per query head) says whether query block a (rows
+  ``a·bs .. a·bs + bs - 1``) attends to key block b. Each query block
+  gathers only its selected key blocks: cost O(T · bs · max row count).
   Equals ``softmax_attention(..., mask=masks.block_sparse(layout, bs, T, S))``.
 
   Args:
+    query: ``[B, T, N, H]``; key ``[B, S, K, H]``; value ``[B, S, K, D]``.
     layout: static bool ``[ceil(T/bs), ceil(S/bs)]`` or
       ``[N, ceil(T/bs), ceil(S/bs)]``, or a callable
       ``(num_q_blocks, num_k_blocks) -> layout`` for length-generic patterns.
     block_size: block length ``bs`` on both axes; the last block may be
       partial (inputs are padded internally).
     (Others as :func:`local_attention`.)
+
+  Returns:
+    ``[B, T, N, D]`` in the input dtype; rows with no visible key are zero.
+
+  Raises:
+    ValueError: for a ``block_size`` that is not a positive int, a traced
+      layout, a layout of the wrong shape, a per-head layout whose first axis
+      is not N, bad shapes, dtypes or lengths, or an unknown implementation.
+
+  Examples:
+    >>> x = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))
+    >>> layout = np.array([[1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0], [1, 0, 1, 1]], bool)
+    >>> out = la.block_sparse_attention(x, x, x, layout=layout, block_size=2)
+    >>> dense = la.softmax_attention(x, x, x, mask=masks.block_sparse(layout, 2, 8, 8))
+    >>> out.shape, bool(jnp.allclose(out, dense, atol=1e-5))
+    ((1, 8, 2, 4), True)
+
+  References:
+    Child et al., "Generating Long Sequences with Sparse Transformers", 2019.
   """
   fn = "block_sparse_attention"
   is_causal = checks.check_static_bool(is_causal, name="is_causal", fn=fn)
@@ -419,15 +536,35 @@ def longformer_attention(
 ) -> jax.Array:
   """Longformer attention: a local window plus global tokens. Cost O(T·(w + g)).
 
-  Every query sees its window and the global tokens; a global token's query
-  sees every key. Global positions are key positions (the token at key p is
-  query ``p - (S - T)`` when T != S). Equals
+  ``out_i = Σ_j softmax_j(q_i·k_j·scale) v_j`` over the keys j in query i's
+  window and the global keys: every query sees its window and the global
+  tokens; a global token's query sees every key. Global positions are key
+  positions (the token at key p is query ``p - (S - T)`` when T != S). Equals
   ``softmax_attention(..., mask=masks.longformer(T, S, window_size, global_positions))``.
 
   Args:
+    query: ``[B, T, N, H]``; key ``[B, S, K, H]``; value ``[B, S, K, D]``.
     window_size: int or ``(left, right)``.
     global_positions: static key positions of the global tokens.
     (Others as :func:`local_attention`.)
+
+  Returns:
+    ``[B, T, N, D]`` in the input dtype; rows with no visible key are zero.
+
+  Raises:
+    ValueError: for a negative or malformed window, global positions that are
+      not ints in ``[0, S)``, a ``block_size`` that is not a positive int, bad
+      shapes, dtypes or lengths, or an unknown implementation.
+
+  Examples:
+    >>> x = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))
+    >>> out = la.longformer_attention(x, x, x, window_size=1, global_positions=(0, 5))
+    >>> mask = masks.longformer(8, 8, 1, (0, 5))
+    >>> out.shape, bool(jnp.allclose(out, la.softmax_attention(x, x, x, mask=mask), atol=1e-5))
+    ((1, 8, 2, 4), True)
+
+  References:
+    Beltagy et al., "Longformer: The Long-Document Transformer", 2020.
   """
   fn = "longformer_attention"
   left, right = masks_lib.normalize_window(window_size, fn=fn)
@@ -483,7 +620,11 @@ def bigbird_attention(
   ``softmax_attention(..., mask=masks.bigbird(T, S, block_size, ..., rng=rng,
   is_causal=is_causal))``.
 
+  ``out_i = Σ_j softmax_j(q_i·k_j·scale) v_j`` over the keys of the blocks
+  query i's block selects.
+
   Args:
+    query: ``[B, T, N, H]``; key ``[B, S, K, H]``; value ``[B, S, K, D]``.
     block_size: block length on both axes.
     num_window_blocks: blocks in the sliding window (odd numbers centre it).
     num_global_blocks: leading blocks that are global.
@@ -492,6 +633,25 @@ def bigbird_attention(
       at trace time (it decides which blocks are gathered), so it must be
       static: the same rng gives the same pattern.
     (Others as :func:`local_attention`.)
+
+  Returns:
+    ``[B, T, N, D]`` in the input dtype; rows with no visible key are zero.
+
+  Raises:
+    ValueError: for a ``block_size`` that is not a positive int, a negative
+      block count, an ``rng`` that is traced or not a seed or key, bad
+      shapes, dtypes or lengths, or an unknown implementation.
+
+  Examples:
+    >>> x = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))
+    >>> options = dict(num_window_blocks=1, num_global_blocks=1, num_random_blocks=1, rng=0)
+    >>> out = la.bigbird_attention(x, x, x, block_size=2, **options)
+    >>> mask = masks.bigbird(8, 8, 2, **options)
+    >>> out.shape, bool(jnp.allclose(out, la.softmax_attention(x, x, x, mask=mask), atol=1e-5))
+    ((1, 8, 2, 4), True)
+
+  References:
+    Zaheer et al., "Big Bird: Transformers for Longer Sequences", 2020.
   """
   fn = "bigbird_attention"
   is_causal = checks.check_static_bool(is_causal, name="is_causal", fn=fn)

@@ -1,0 +1,88 @@
+"""Every public name is documented with shapes and an example, and its examples run.
+
+The public names are the ``__all__`` entries of ``linattn_jax`` and of its
+public namespaces (``nn``, ``parallel``, ``masks``, ``feature_maps``); a
+namespace listed in another's ``__all__`` is covered by its own names. Each
+docstring's ``>>>`` examples run with the standard ``doctest`` module, with
+the names below already imported, so an example that drifts from the code
+fails here.
+"""
+
+from __future__ import annotations
+
+import doctest
+import inspect
+import io
+import re
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import linattn_jax as la
+from linattn_jax import feature_maps, masks, nn, parallel
+
+NAMESPACES = (la, nn, parallel, masks, feature_maps)
+
+
+def _public_names() -> dict[str, object]:
+  """``{"module.name": object}`` for every non-module entry of the five ``__all__``."""
+  names = {}
+  for module in NAMESPACES:
+    for name in module.__all__:
+      obj = getattr(module, name)
+      if not isinstance(obj, types.ModuleType):
+        names[f"{module.__name__}.{name}"] = obj
+  return names
+
+
+PUBLIC = _public_names()
+# What the examples may use without importing it (as a reader's session would have).
+GLOBS = dict(jax=jax, jnp=jnp, np=np, la=la, nn=nn, nnx=nnx, parallel=parallel, masks=masks,
+             feature_maps=feature_maps)
+# A shape in the letters of the design's table: [B, T, N, H], [..., M], [M, H], [B].
+SHAPE = re.compile(r"\[(?:\.\.\.|[BTSNKHDMCGW]\b)[^\]\n]*\]")
+NO_ARRAYS = re.compile(r"\bno arrays\b", re.IGNORECASE)
+
+
+def test_every_public_namespace_is_covered():
+  """A namespace listed in an ``__all__`` is one whose names are checked here."""
+  for module in NAMESPACES:
+    assert module.__all__, module.__name__
+    for name in module.__all__:
+      obj = getattr(module, name)
+      if isinstance(obj, types.ModuleType):
+        assert obj in NAMESPACES, f"{module.__name__}.{name}: add it to NAMESPACES"
+
+
+@pytest.mark.parametrize("name", sorted(PUBLIC))
+def test_docstring_has_summary_shapes_and_example(name):
+  """A one-line summary, a ``>>>`` example, and shapes (or that it takes no arrays)."""
+  doc = inspect.getdoc(PUBLIC[name])
+  assert doc, f"{name} has no docstring"
+  lines = doc.splitlines()
+  assert lines[0].strip() and (len(lines) == 1 or not lines[1].strip()), (
+      f"{name}: the docstring must open with a one-line summary and a blank line")
+  assert ">>>" in doc, f"{name}: no example (a `>>>` line)"
+  if callable(PUBLIC[name]):
+    assert SHAPE.search(doc) or NO_ARRAYS.search(doc), (
+        f"{name}: name the shapes in the letters B, T, S, N, K, H, D, M, C (e.g. "
+        "`[B, T, N, H]`), or say that it takes no arrays")
+
+
+@pytest.mark.parametrize("name", sorted(PUBLIC))
+def test_docstring_examples_run(name):
+  """The examples of ``name`` (and of its methods) give the output they show."""
+  tests = doctest.DocTestFinder().find(PUBLIC[name], name, globs=dict(GLOBS))
+  runner = doctest.DocTestRunner(
+      verbose=False, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+  report = io.StringIO()
+  failed = attempted = 0
+  for test in tests:
+    result = runner.run(test, out=report.write)
+    failed, attempted = failed + result.failed, attempted + result.attempted
+  assert attempted > 0, f"{name}: no example ran"
+  assert failed == 0, f"{name}: {failed} of {attempted} example(s) failed:\n{report.getvalue()}"
