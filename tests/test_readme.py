@@ -25,15 +25,22 @@ def test_quick_start_runs():
   assert namespace["out"].shape == (2, 1024, 8, 64)
 
 
+def test_model_example_trains():
+  namespace: dict = {}
+  exec(compile(_blocks("python")[1], "README model", "exec"), namespace)  # noqa: S102
+  losses = namespace["losses"]
+  assert len(losses) == 5 and losses[-1] < losses[0]  # One batch, five steps: it fits.
+
+
 def test_layers_example_runs():
   namespace: dict = {}
-  exec(compile(_blocks("python")[1], "README layers", "exec"), namespace)  # noqa: S102
+  exec(compile(_blocks("python")[2], "README layers", "exec"), namespace)  # noqa: S102
   assert namespace["y"].shape == (2, 64, 128)
   assert [s.shape for s in namespace["steps"]] == [(2, 1, 128)] * 4
 
 
 def test_context_parallel_example_runs():
   namespace: dict = {}
-  exec(compile(_blocks("python")[2], "README context parallelism", "exec"), namespace)  # noqa: S102
+  exec(compile(_blocks("python")[3], "README context parallelism", "exec"), namespace)  # noqa: S102
   assert namespace["out"].shape == (2, 4096, 8, 64)
   assert namespace["layer"].context_parallel.axis_name == "seq"
