@@ -182,6 +182,10 @@ def test_errors_name_options_and_shapes():
   for chunk_size in (0, -3, 2.5):
     with pytest.raises(ValueError, match="chunk_size must be a positive int"):
       la.linear_attention(q, k, v, is_causal=True, chunk_size=chunk_size)
+  with pytest.raises(ValueError, match="init_linear_state: batch must be a positive int"):
+    la.init_linear_state(0, 1, 4, 3)
+  with pytest.raises(ValueError, match="init_local_state: value_dim must be a positive int"):
+    la.init_local_state(1, (2, 0), num_kv_heads=1, head_dim=4, value_dim=-2)
   with pytest.raises(ValueError, match="eps"):
     la.linear_attention(q, k, v, eps=-1.0)
   bad = la.init_linear_state(shape.B, shape.K, shape.H + 1, shape.D)

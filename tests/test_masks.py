@@ -57,6 +57,12 @@ def test_block_sparse_crops_partial_blocks_and_accepts_per_head_layouts():
   np.testing.assert_array_equal(got[1], ~want)
 
 
+def test_longformer_rejects_global_positions_outside_the_keys():
+  for positions in ([5], [-1], [1.5]):
+    with pytest.raises(ValueError, match=r"longformer: global_positions must be ints in \[0, "):
+      masks.longformer(4, 5, (1, 0), positions)
+
+
 def test_block_sparse_rejects_wrong_layouts():
   with pytest.raises(ValueError, match=r"layout must have shape \[2, 2\]"):
     masks.block_sparse(np.ones((3, 2)), 2, 3, 4)

@@ -181,10 +181,16 @@ def test_registry_redraw_is_a_pure_function_of_rng():
 
 def test_errors_name_shapes_and_options():
   q, k, v = make_qkv(SHAPE)
-  with pytest.raises(ValueError, match=r"projection \[M, H\] = \(16, 5\).*H=4"):
+  with pytest.raises(ValueError, match=r"performer_attention: projection must be \[M, H\] with "
+                     r"H=4 \(the last axis of query \(2, 6, 4, 4\)\); got \(16, 5\)"):
     la.performer_attention(q, k, v, projection=jnp.ones((16, 5)))
-  with pytest.raises(ValueError, match=r"projection must be \[M, H\]; got shape \(16,\)"):
+  with pytest.raises(ValueError, match=r"projection must be \[M, H\].*got \(16,\)"):
     la.performer_attention(q, k, v, projection=jnp.ones(16))
+  with pytest.raises(ValueError, match=r"performer_attention: projection must be \[M, H\]"):
+    la.performer_attention_step(la.init_performer_state(SHAPE.B, SHAPE.K, 16, SHAPE.D),
+                                q[:, 0], k[:, 0], v[:, 0], projection=jnp.ones((16, 5)))
+  with pytest.raises(ValueError, match="init_performer_state: feature_dim must be a positive"):
+    la.init_performer_state(SHAPE.B, SHAPE.K, -1, SHAPE.D)
   with pytest.raises(ValueError, match="unknown kernel"):
     la.performer_attention(q, k, v, projection=_projection(), kernel="cosine")
   with pytest.raises(ValueError, match="is_causal"):

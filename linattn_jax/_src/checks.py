@@ -290,6 +290,11 @@ def check_positive_int(value: Any, *, name: str, fn: str) -> int:
   return int(value)
 
 
+def positive_sizes(fn: str, **sizes: Any) -> tuple[int, ...]:
+  """``check_positive_int`` on each named size, in order: a state's ``batch``, heads, dims."""
+  return tuple(check_positive_int(value, name=name, fn=fn) for name, value in sizes.items())
+
+
 def check_choice(value: Any, *, name: str, choices: Sequence[Any], fn: str) -> Any:
   """Checks that a static option is one of ``choices``."""
   if value not in choices:

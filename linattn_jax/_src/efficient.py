@@ -109,10 +109,8 @@ def init_efficient_state(
     >>> state.kv.shape, state.k_sum.shape, state.running_max.shape
     ((1, 2, 8, 4), (1, 2, 8), (1, 2, 8))
   """
-  fn = "init_efficient_state"
-  B, K, H, D = (checks.check_positive_int(x, name=name, fn=fn) for x, name in (
-      (batch, "batch"), (num_kv_heads, "num_kv_heads"), (head_dim, "head_dim"),
-      (value_dim, "value_dim")))
+  B, K, H, D = checks.positive_sizes("init_efficient_state", batch=batch, num_kv_heads=num_kv_heads,
+                                     head_dim=head_dim, value_dim=value_dim)
   return EfficientState(*recurrence.empty_carry(B, K, H, H, D, dtype))
 
 

@@ -325,17 +325,16 @@ def init_linear_state(
     A :class:`LinearState` of zeros.
 
   Raises:
-    ValueError: not raised here: the sizes are not checked (a state of the
-      wrong shape is reported, with both shapes, by the function it is
-      passed to).
+    ValueError: if a size is not a positive int.
 
   Examples:
     >>> state = la.init_linear_state(batch=2, num_kv_heads=1, feature_dim=4, value_dim=3)
     >>> state.kv.shape, state.k_sum.shape, bool(jnp.all(state.kv == 0))
     ((2, 1, 4, 3), (2, 1, 4), True)
   """
-  return LinearState(jnp.zeros((batch, num_kv_heads, feature_dim, value_dim), dtype),
-                     jnp.zeros((batch, num_kv_heads, feature_dim), dtype))
+  B, K, M, D = checks.positive_sizes("init_linear_state", batch=batch, num_kv_heads=num_kv_heads,
+                                     feature_dim=feature_dim, value_dim=value_dim)
+  return LinearState(jnp.zeros((B, K, M, D), dtype), jnp.zeros((B, K, M), dtype))
 
 
 def linear_attention_step(

@@ -282,6 +282,16 @@ def block_sparse(layout: Any, block_size: int, T: int, S: int) -> jax.Array:
   return jnp.asarray(dense[..., :T, :S])
 
 
+def check_global_positions(positions: Any, S: int, fn: str) -> np.ndarray:
+  """Sorted unique global key positions, each an int in ``[0, S)``; else ValueError."""
+  pos = np.asarray(positions, dtype=np.int64).reshape(-1) if np.size(positions) else np.zeros(
+      0, np.int64)
+  if not np.all(np.equal(np.asarray(positions).reshape(-1), pos)) or np.any(pos < 0) or np.any(
+      pos >= S):
+    raise ValueError(f"{fn}: global_positions must be ints in [0, S={S}); got {positions!r}.")
+  return np.unique(pos)
+
+
 def longformer(T: int, S: int, window_size: Any, global_positions: Any) -> jax.Array:
   """Longformer mask ``[T, S]``: a local window plus global tokens.
 
@@ -306,8 +316,8 @@ def longformer(T: int, S: int, window_size: Any, global_positions: Any) -> jax.A
     column, or a global query row.
 
   Raises:
-    ValueError: for a negative or malformed window. Global positions are not
-      checked: one outside ``[0, S)`` marks nothing.
+    ValueError: for a negative or malformed window, or a global position
+      that is not an int in ``[0, S)``.
 
   Examples:
     >>> print(np.asarray(masks.longformer(5, 5, (1, 0), [2])).astype(int))
@@ -317,7 +327,7 @@ def longformer(T: int, S: int, window_size: Any, global_positions: Any) -> jax.A
      [0 0 1 1 0]
      [0 0 1 1 1]]
   """
-  glob = np.asarray(global_positions, np.int64).reshape(-1)
+  glob = check_global_positions(global_positions, S, "longformer")
   q, k = _positions(T, S)
   glob_j = jnp.asarray(glob)
   is_global_key = jnp.isin(k, glob_j)

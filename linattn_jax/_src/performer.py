@@ -179,6 +179,7 @@ def performer_attention(
     Choromanski et al., "Rethinking Attention with Performers", ICLR 2021.
   """
   fn = "performer_attention"
+  _check_projection(projection, query, fn)
   out, state = recurrence.recurrent_attention(
       query, key, value, featurizer=_LogScaled(_check_kernel(kernel, fn)), params=projection,
       read="kernel", state_cls=PerformerState, is_causal=is_causal,
@@ -187,6 +188,14 @@ def performer_attention(
       fn=fn,
   )
   return (out, state) if return_state else out
+
+
+def _check_projection(projection: Any, query: ArrayLike, fn: str) -> None:
+  """``projection`` must be ``[M, H]`` with the queries' head dim H."""
+  shape, H = jnp.shape(projection), jnp.shape(query)[-1]
+  if len(shape) != 2 or shape[1] != H:
+    raise ValueError(f"{fn}: projection must be [M, H] with H={H} (the last axis of query "
+                     f"{jnp.shape(query)}); got {shape}.")
 
 
 def performer_attention_reference(
@@ -266,8 +275,7 @@ def init_performer_state(
     A :class:`PerformerState`.
 
   Raises:
-    ValueError: not raised here: the sizes are not checked (a state of the
-      wrong shape is reported by the function it is passed to).
+    ValueError: if a size is not a positive int.
 
   Examples:
     >>> w = feature_maps.orthogonal_random_projection(jax.random.key(1), 8, 4)  # [M, H]
@@ -277,9 +285,11 @@ def init_performer_state(
     >>> state.kv.shape, out.shape
     ((1, 2, 16, 4), (1, 2, 4))
   """
-  B, K = batch, num_kv_heads
-  return PerformerState(jnp.zeros((B, K, feature_dim, value_dim), dtype),
-                        jnp.zeros((B, K, feature_dim), dtype), jnp.full((B, K), -jnp.inf, dtype))
+  B, K, M, D = checks.positive_sizes("init_performer_state", batch=batch,
+                                     num_kv_heads=num_kv_heads, feature_dim=feature_dim,
+                                     value_dim=value_dim)
+  return PerformerState(jnp.zeros((B, K, M, D), dtype), jnp.zeros((B, K, M), dtype),
+                        jnp.full((B, K), -jnp.inf, dtype))
 
 
 def performer_attention_step(

@@ -251,8 +251,8 @@ def init_local_state(batch: int, window_size: Any, num_kv_heads: int, head_dim: 
     A :class:`LocalState`.
 
   Raises:
-    ValueError: for a negative or malformed ``window_size``. The other
-      sizes are not checked.
+    ValueError: for a negative or malformed ``window_size``, or a size that
+      is not a positive int.
 
   Examples:
     >>> state = la.init_local_state(1, (3, 0), num_kv_heads=2, head_dim=4, value_dim=5)
@@ -260,9 +260,10 @@ def init_local_state(batch: int, window_size: Any, num_kv_heads: int, head_dim: 
     ((1, 4, 2, 4), (1, 4, 2, 5), 0)
   """
   left, _ = masks_lib.normalize_window(window_size, fn="init_local_state")
+  B, K, H, D = checks.positive_sizes("init_local_state", batch=batch, num_kv_heads=num_kv_heads,
+                                     head_dim=head_dim, value_dim=value_dim)
   W = left + 1
-  return LocalState(jnp.zeros((batch, W, num_kv_heads, head_dim), dtype),
-                    jnp.zeros((batch, W, num_kv_heads, value_dim), dtype),
+  return LocalState(jnp.zeros((B, W, K, H), dtype), jnp.zeros((B, W, K, D), dtype),
                     jnp.zeros((), jnp.int32))
 
 
@@ -510,15 +511,6 @@ def block_sparse_attention(
 # ---------------------------------------------------------- longformer ---
 
 
-def _check_positions(positions: Any, S: int, fn: str) -> np.ndarray:
-  pos = np.asarray(positions, dtype=np.int64).reshape(-1) if np.size(positions) else np.zeros(
-      0, np.int64)
-  if not np.all(np.equal(np.asarray(positions).reshape(-1), pos)) or np.any(pos < 0) or np.any(
-      pos >= S):
-    raise ValueError(f"{fn}: global_positions must be ints in [0, S={S}); got {positions!r}.")
-  return np.unique(pos)
-
-
 @checks.compiled("window_size", "global_positions", "is_causal", "scale", "implementation",
                  "block_size")
 def longformer_attention(
@@ -570,7 +562,7 @@ def longformer_attention(
   left, right = masks_lib.normalize_window(window_size, fn=fn)
 
   def pattern(T: int, S: int) -> _Pattern:
-    glob = _check_positions(global_positions, S, fn)
+    glob = masks_lib.check_global_positions(global_positions, S, fn)
     rows, window = _window_pass(T, S, _block(block_size, T, fn), left, right)
     keys = np.concatenate([window, np.broadcast_to(glob, (rows.shape[0], glob.size))], 1)[None]
     tiled = Plan(rows, keys, dedupe(keys, np.ones(keys.shape, bool), S))
