@@ -82,3 +82,26 @@ def test_padding():
     masks.padding(2, 2)
   with pytest.raises(ValueError, match=r"shape \[B\]"):
     masks.padding(2, 2, key_value_seq_lengths=np.array(3))
+
+
+@pytest.mark.parametrize("name,make", [
+    ("causal", lambda T, S: masks.causal(T, S)),
+    ("padding", lambda T, S: masks.padding(T, S, key_value_seq_lengths=np.array([1]))),
+    ("local", lambda T, S: masks.local(T, S, 1)),
+    ("strided", lambda T, S: masks.strided(T, S, 2)),
+    ("block_sparse", lambda T, S: masks.block_sparse(np.ones((1, 1)), 4, T, S)),
+    ("longformer", lambda T, S: masks.longformer(T, S, 1, [0])),
+    ("bigbird", lambda T, S: masks.bigbird(T, S, 4, num_random_blocks=0)),
+])
+def test_masks_reject_lengths_that_are_not_positive_ints(name, make):
+  assert make(3, 2).shape[-2:] == (3, 2)
+  for T, S in ((0, 2), (3, -1), (3.0, 2), (3, None if name != "causal" else "2")):
+    with pytest.raises(ValueError, match=rf"^{name}: (T|S) must be a positive int"):
+      make(T, S)
+
+
+def test_bigbird_names_itself_for_bad_block_counts_and_rng():
+  with pytest.raises(ValueError, match=r"^bigbird: num_window_blocks must be a non-negative int"):
+    masks.bigbird(8, 8, 2, num_window_blocks=-1)
+  with pytest.raises(ValueError, match=r"^bigbird: rng must be an int seed or a jax PRNG key"):
+    masks.bigbird(8, 8, 2, rng="seed")

@@ -65,3 +65,18 @@ def test_array_options_are_static_by_value():
   by_ref = la.bigbird_attention(q, q, q, rng=jax.random.key(5), implementation="reference",
                                 **options)
   np.testing.assert_allclose(by_key, by_ref, rtol=1e-5, atol=1e-6)
+
+
+REFERENCES = [name for name in la.__all__ if name.endswith("_reference")]
+
+
+@pytest.mark.parametrize("name", REFERENCES)
+def test_the_oracles_reject_bad_input_under_their_own_name(name):
+  """A user calling an oracle directly gets its name in the error, not the fast function's."""
+  options = dict(projection=PROJECTION) if name.startswith("performer") else {}
+  fn = functools.partial(getattr(la, name), **options)
+  q, kv = jnp.ones((1, 4, 2, 4)), jnp.ones((1, 4, 3, 4))  # H = 4: the projection's.
+  with pytest.raises(ValueError, match=rf"^{name}: .*multiple of.*K=3"):
+    fn(q, kv, kv)
+  with pytest.raises(ValueError, match=rf"^{name}: is_causal must be a static Python bool"):
+    jax.jit(lambda causal: fn(q, q, q, is_causal=causal))(True)

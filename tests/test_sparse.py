@@ -125,6 +125,23 @@ def test_local_streaming_state_is_constant_in_position():
   assert_close(jnp.stack(outs, 1), want, jnp.float32)
 
 
+def test_local_decoding_continues_an_unbatched_prefill():
+  """Unbatched local_attention returns an unbatched state; the step takes it and array-likes."""
+  q, k, v = (x[0] for x in make_qkv(Shape(B=1, T=9, S=9, N=2, K=1, H=4, D=3)))
+  _, state = la.local_attention(q[:6], k[:6], v[:6], window_size=(3, 0), is_causal=True,
+                                return_state=True)
+  assert state.keys.shape == (4, 1, 4)
+  outs = []
+  for t in range(6, 9):  # Nested lists, as a user might pass them.
+    state, out = la.local_attention_step(state, q[t].tolist(), k[t].tolist(), v[t].tolist())
+    outs.append(out)
+  assert state.keys.shape == (4, 1, 4) and outs[0].shape == (2, 3)
+  want = la.local_attention(q, k, v, window_size=(3, 0), is_causal=True)[6:]
+  assert_close(jnp.stack(outs), want, jnp.float32)
+  with pytest.raises(ValueError, match=r"^local_attention_step: expected query \[B, N, H\]"):
+    la.local_attention_step(state, q[None, 6], k[None, 6], v[None, 6])  # Batched, state not.
+
+
 @pytest.mark.parametrize("call,match", [
     (functools.partial(la.local_attention, window_size=-1), "window_size"),
     (functools.partial(la.local_attention, window_size=(2, 1), block_size=0), "block_size"),
@@ -138,7 +155,9 @@ def test_local_streaming_state_is_constant_in_position():
     (functools.partial(la.longformer_attention, window_size=1, global_positions=(-1,)),
      "global_positions"),
     (functools.partial(la.bigbird_attention, block_size=2, num_random_blocks=-1),
-     "num_random_blocks"),
+     "^bigbird_attention: num_random_blocks must be a non-negative int"),
+    (functools.partial(la.bigbird_attention, block_size=2, rng=1.5),
+     "^bigbird_attention: rng must be an int seed or a jax PRNG key"),
     (functools.partial(la.local_attention, window_size=1, implementation="dense"),
      "unknown implementation"),
 ])

@@ -186,9 +186,10 @@ def efficient_attention_reference(
     Shen et al., "Efficient Attention: Attention with Linear Complexities", WACV 2021.
   """
   fn = "efficient_attention_reference"
+  is_causal = checks.check_static_bool(is_causal, name="is_causal", fn=fn)
   p = checks.prepare_qkv(query, key, value, fn=fn)
   lengths = checks.check_lengths(p, fn=fn, key_value_seq_lengths=key_value_seq_lengths)
-  return p.restore(_reference(p, bool(is_causal), lengths["key_value_seq_lengths"]))
+  return p.restore(_reference(p, is_causal, lengths["key_value_seq_lengths"]))
 
 
 # Public functions ------------------------------------------------------------

@@ -312,9 +312,10 @@ def heinsen_attention_reference(
   References:
     Heinsen, "Softmax Attention with Constant Cost per Token", 2024.
   """
-  return heinsen_attention(
-      query, key, value, is_causal=is_causal, key_value_seq_lengths=key_value_seq_lengths,
-      implementation="reference")
+  fn = "heinsen_attention_reference"
+  return _oracle(query, key, value, fn=fn, log_space=False,
+                 is_causal=checks.check_static_bool(is_causal, name="is_causal", fn=fn),
+                 key_value_seq_lengths=key_value_seq_lengths)
 
 
 def _oracle(query, key, value, *, fn: str, log_space: bool, is_causal: bool,

@@ -236,12 +236,22 @@ def linear_attention(
     Katharopoulos et al., "Transformers are RNNs: Fast Autoregressive
     Transformers with Linear Attention", 2020.
   """
+  return _linear_attention(
+      query, key, value, feature_map=feature_map, is_causal=is_causal,
+      key_value_seq_lengths=key_value_seq_lengths, eps=eps, implementation=implementation,
+      chunk_size=chunk_size, initial_state=initial_state, return_state=return_state,
+      fn="linear_attention")
+
+
+def _linear_attention(query, key, value, *, feature_map, is_causal, key_value_seq_lengths, eps,
+                      implementation, chunk_size, initial_state, return_state, fn: str):
+  """:func:`linear_attention` and its reference, with errors naming ``fn``."""
   featurizer, arrays = _Plain.split(feature_map)
   out, state = recurrence.recurrent_attention(
       query, key, value, featurizer=featurizer, params=arrays, read="kernel",
       state_cls=LinearState, is_causal=is_causal, key_value_seq_lengths=key_value_seq_lengths,
       eps=eps, implementation=implementation, implementations=IMPLEMENTATIONS,
-      chunk_size=chunk_size, initial_state=initial_state, fn="linear_attention",
+      chunk_size=chunk_size, initial_state=initial_state, fn=fn,
   )
   return (out, state) if return_state else out
 
@@ -296,11 +306,11 @@ def linear_attention_reference(
   References:
     Katharopoulos et al., "Transformers are RNNs", 2020.
   """
-  return linear_attention(
+  return _linear_attention(
       query, key, value, feature_map=feature_map, is_causal=is_causal,
       key_value_seq_lengths=key_value_seq_lengths, eps=eps, implementation="reference",
-      initial_state=initial_state, return_state=return_state,
-  )
+      chunk_size=DEFAULT_CHUNK_SIZE, initial_state=initial_state, return_state=return_state,
+      fn="linear_attention_reference")
 
 
 def init_linear_state(

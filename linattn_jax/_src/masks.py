@@ -19,10 +19,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from linattn_jax._src.checks import check_positive_int
+from linattn_jax._src.checks import check_positive_int, positive_sizes
 
 
-def _positions(T: int, S: int) -> tuple[jax.Array, jax.Array]:
+def _positions(T: int, S: int, fn: str) -> tuple[jax.Array, jax.Array]:
+  """Query positions ``[T, 1]`` and key positions ``[1, S]``, once T and S are checked."""
+  T, S = positive_sizes(fn, T=T, S=S)
   return jnp.arange(T)[:, None], jnp.arange(S)[None, :]
 
 
@@ -70,7 +72,7 @@ def causal(T: int, S: int | None = None) -> jax.Array:
     Boolean ``[T, S]``; entry ``[i, j]`` is ``j <= i + S - T``.
 
   Raises:
-    ValueError: not raised here: T and S are not checked.
+    ValueError: if T or S is not a positive int.
 
   Examples:
     >>> print(np.asarray(masks.causal(2, 4)).astype(int))
@@ -80,7 +82,7 @@ def causal(T: int, S: int | None = None) -> jax.Array:
     ((3, 3), dtype('bool'))
   """
   S = T if S is None else S
-  q, k = _positions(T, S)
+  q, k = _positions(T, S, "causal")
   return causal_predicate(q, k, T, S)
 
 
@@ -111,7 +113,8 @@ def padding(
     Boolean ``[B, T, S]``.
 
   Raises:
-    ValueError: if both lengths are None, or they are not rank 1.
+    ValueError: if T or S is not a positive int, both lengths are None, or
+      a length is not rank 1.
 
   Examples:
     >>> m = masks.padding(3, 4, query_seq_lengths=jnp.array([2, 3]),
@@ -129,6 +132,7 @@ def padding(
                   ("key_value_seq_lengths", key_value_seq_lengths)):
     if x is not None and jnp.ndim(x) != 1:
       raise ValueError(f"padding: {name} must have shape [B]; got {jnp.shape(x)}.")
+  T, S = positive_sizes("padding", T=T, S=S)
   q_ok = length_predicate(jnp.arange(T), query_seq_lengths)  # [B|1, T]
   k_ok = length_predicate(jnp.arange(S), key_value_seq_lengths)  # [B|1, S]
   return q_ok[:, :, None] & k_ok[:, None, :]
@@ -175,7 +179,8 @@ def local(T: int, S: int, window_size: Any) -> jax.Array:
     Boolean ``[T, S]``.
 
   Raises:
-    ValueError: for a negative window, or one that is not an int or a pair of ints.
+    ValueError: if T or S is not a positive int, for a negative window, or
+      one that is not an int or a pair of ints.
 
   Examples:
     >>> print(np.asarray(masks.local(3, 5, (1, 0))).astype(int))
@@ -184,7 +189,7 @@ def local(T: int, S: int, window_size: Any) -> jax.Array:
      [0 0 0 1 1]]
   """
   left, right = normalize_window(window_size, fn="local")
-  q, k = _positions(T, S)
+  q, k = _positions(T, S, "local")
   return local_predicate(q, k, T, S, left, right)
 
 
@@ -216,8 +221,8 @@ def strided(T: int, S: int, stride: int, window_size: Any = None) -> jax.Array:
     Boolean ``[T, S]``.
 
   Raises:
-    ValueError: for a ``stride`` that is not a positive int, or a negative
-      or malformed window.
+    ValueError: if T, S or ``stride`` is not a positive int, or for a
+      negative or malformed window.
 
   Examples:
     >>> m = masks.strided(6, 6, 3, (1, 0)) & masks.causal(6)
@@ -230,7 +235,7 @@ def strided(T: int, S: int, stride: int, window_size: Any = None) -> jax.Array:
      [1 0 0 1 1 1]]
   """
   stride = check_positive_int(stride, name="stride", fn="strided")
-  q, k = _positions(T, S)
+  q, k = _positions(T, S, "strided")
   out = jnp.broadcast_to(k % stride == 0, (T, S))
   if window_size is not None:
     out = out | local(T, S, window_size)
@@ -261,7 +266,8 @@ def block_sparse(layout: Any, block_size: int, T: int, S: int) -> jax.Array:
     ``[i, j]`` is ``layout[i // block_size, j // block_size]``.
 
   Raises:
-    ValueError: on a non-positive block size or a layout of the wrong shape.
+    ValueError: if T, S or the block size is not a positive int, or on a
+      layout of the wrong shape.
 
   Examples:
     >>> print(np.asarray(masks.block_sparse([[1, 0], [1, 1]], 2, 3, 4)).astype(int))
@@ -270,6 +276,7 @@ def block_sparse(layout: Any, block_size: int, T: int, S: int) -> jax.Array:
      [1 1 1 1]]
   """
   block_size = check_positive_int(block_size, name="block_size", fn="block_sparse")
+  T, S = positive_sizes("block_sparse", T=T, S=S)
   layout = np.asarray(layout)
   want = (-(-T // block_size), -(-S // block_size))
   if layout.ndim not in (2, 3) or layout.shape[-2:] != want:
@@ -316,8 +323,8 @@ def longformer(T: int, S: int, window_size: Any, global_positions: Any) -> jax.A
     column, or a global query row.
 
   Raises:
-    ValueError: for a negative or malformed window, or a global position
-      that is not an int in ``[0, S)``.
+    ValueError: if T or S is not a positive int, for a negative or
+      malformed window, or a global position that is not an int in ``[0, S)``.
 
   Examples:
     >>> print(np.asarray(masks.longformer(5, 5, (1, 0), [2])).astype(int))
@@ -327,8 +334,8 @@ def longformer(T: int, S: int, window_size: Any, global_positions: Any) -> jax.A
      [0 0 1 1 0]
      [0 0 1 1 1]]
   """
+  q, k = _positions(T, S, "longformer")
   glob = check_global_positions(global_positions, S, "longformer")
-  q, k = _positions(T, S)
   glob_j = jnp.asarray(glob)
   is_global_key = jnp.isin(k, glob_j)
   is_global_query = jnp.isin(q + (S - T), glob_j)
@@ -348,6 +355,14 @@ def _seed(rng: Any, fn: str) -> np.random.Generator:
     return np.random.default_rng(np.asarray(data, np.uint32).reshape(-1).tolist())
   except (AttributeError, TypeError, ValueError) as e:
     raise ValueError(f"{fn}: rng must be an int seed or a jax PRNG key; got {rng!r}.") from e
+
+
+def check_bigbird_options(fn: str, rng: Any, **block_counts: Any) -> np.random.Generator:
+  """Checks BigBird's block counts (non-negative ints) and ``rng``; returns its Generator."""
+  for name, n in block_counts.items():
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+      raise ValueError(f"{fn}: {name} must be a non-negative int; got {n!r}.")
+  return _seed(rng, fn)
 
 
 def bigbird_layout(
@@ -403,13 +418,10 @@ def bigbird_layout(
      [1 0 0 1]]
   """
   fn = "bigbird_layout"
-  for name, n in (("num_window_blocks", num_window_blocks),
-                  ("num_global_blocks", num_global_blocks),
-                  ("num_random_blocks", num_random_blocks)):
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
-      raise ValueError(f"{fn}: {name} must be a non-negative int; got {n!r}.")
+  gen = check_bigbird_options(fn, rng, num_window_blocks=num_window_blocks,
+                              num_global_blocks=num_global_blocks,
+                              num_random_blocks=num_random_blocks)
   nb = check_positive_int(num_blocks, name="num_blocks", fn=fn)
-  gen = _seed(rng, fn)
   g = min(num_global_blocks, nb)
   a = np.arange(nb)[:, None]
   b = np.arange(nb)[None, :]
@@ -455,7 +467,7 @@ def bigbird(
     Boolean ``[T, S]``.
 
   Raises:
-    ValueError: for a ``block_size`` that is not a positive int, and as
+    ValueError: if T, S or ``block_size`` is not a positive int, and as
       :func:`bigbird_layout`.
 
   Examples:
@@ -470,7 +482,9 @@ def bigbird(
      [1 1 0 0 1 1]]
   """
   bs = check_positive_int(block_size, name="block_size", fn="bigbird")
-  U = max(T, S)
+  check_bigbird_options("bigbird", rng, num_window_blocks=num_window_blocks,
+                        num_global_blocks=num_global_blocks, num_random_blocks=num_random_blocks)
+  U = max(positive_sizes("bigbird", T=T, S=S))
   layout = bigbird_layout(-(-U // bs), num_window_blocks=num_window_blocks,
                           num_global_blocks=num_global_blocks,
                           num_random_blocks=num_random_blocks, rng=rng, is_causal=is_causal)

@@ -178,7 +178,17 @@ def performer_attention(
   References:
     Choromanski et al., "Rethinking Attention with Performers", ICLR 2021.
   """
-  fn = "performer_attention"
+  return _performer_attention(
+      query, key, value, projection=projection, is_causal=is_causal,
+      key_value_seq_lengths=key_value_seq_lengths, kernel=kernel, eps=eps,
+      implementation=implementation, chunk_size=chunk_size, initial_state=initial_state,
+      return_state=return_state, fn="performer_attention")
+
+
+def _performer_attention(query, key, value, *, projection, is_causal, key_value_seq_lengths,
+                         kernel, eps, implementation, chunk_size, initial_state, return_state,
+                         fn: str):
+  """:func:`performer_attention` and its reference, with errors naming ``fn``."""
   _check_projection(projection, query, fn)
   out, state = recurrence.recurrent_attention(
       query, key, value, featurizer=_LogScaled(_check_kernel(kernel, fn)), params=projection,
@@ -246,11 +256,11 @@ def performer_attention_reference(
   References:
     Choromanski et al., "Rethinking Attention with Performers", ICLR 2021.
   """
-  return performer_attention(
+  return _performer_attention(
       query, key, value, projection=projection, is_causal=is_causal,
       key_value_seq_lengths=key_value_seq_lengths, kernel=kernel, eps=eps,
-      implementation="reference", initial_state=initial_state, return_state=return_state,
-  )
+      implementation="reference", chunk_size=DEFAULT_CHUNK_SIZE, initial_state=initial_state,
+      return_state=return_state, fn="performer_attention_reference")
 
 
 def init_performer_state(

@@ -282,16 +282,19 @@ def local_attention_step(state: LocalState, query: jax.Array, key: jax.Array, va
     state: a :class:`LocalState` ``[B, W, K, H]`` / ``[B, W, K, D]``, from
       :func:`init_local_state`, a previous step, or ``local_attention(...,
       return_state=True)``.
-    query: ``[B, N, H]``; key ``[B, K, H]``; value ``[B, K, D]`` (batched
-      only; key and value are arrays with a ``.shape``).
+    query: ``[B, N, H]``; key ``[B, K, H]``; value ``[B, K, D]`` (or
+      unbatched ``[N, H]``, ``[K, H]``, ``[K, D]`` with an unbatched state,
+      as ``local_attention`` returns for unbatched inputs).
     scale: logit scale, default ``1 / sqrt(H)``.
 
   Returns:
-    ``(state, out)`` with ``out`` ``[B, N, D]`` in the query dtype.
+    ``(state, out)`` with ``out`` ``[B, N, D]`` (``[N, D]`` unbatched) in the
+    query dtype.
 
   Raises:
-    ValueError: if the query is not rank 3, or the shapes do not match the
-      state's B, K, H and D (or K does not divide N).
+    ValueError: if query, key and value do not all have the state's rank
+      minus one, or the shapes do not match the state's B, K, H and D (or
+      K does not divide N).
 
   Examples:
     >>> x = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))  # [B, T, N=K, H=D]
@@ -304,13 +307,20 @@ def local_attention_step(state: LocalState, query: jax.Array, key: jax.Array, va
     True
   """
   fn = "local_attention_step"
-  B, W, K, H = state.keys.shape
+  query, key, value = (jnp.asarray(x) for x in (query, key, value))
+  batched = state.keys.ndim == 4
+  if not batched and state.keys.ndim == 3 and query.ndim == key.ndim == value.ndim == 2:
+    state = LocalState(state.keys[None], state.values[None], state.position)  # Add B = 1.
+    query, key, value = query[None], key[None], value[None]
+  B, W, K, H = state.keys.shape if state.keys.ndim == 4 else (None,) * 4
   D = state.values.shape[-1]
-  if key.shape != (B, K, H) or value.shape != (B, K, D) or query.ndim != 3 or (
+  if B is None or key.shape != (B, K, H) or value.shape != (B, K, D) or query.ndim != 3 or (
       query.shape[0] != B or query.shape[2] != H or query.shape[1] % K):
     raise ValueError(
-        f"{fn}: expected query [B={B}, N, H={H}] with K={K} dividing N, key {(B, K, H)} and "
-        f"value {(B, K, D)}; got query {query.shape}, key {key.shape}, value {value.shape}.")
+        f"{fn}: expected query [B, N, H], key [B, K, H] and value [B, K, D] matching the "
+        f"state's keys [B, W, K, H] {state.keys.shape} and values {state.values.shape}, with K "
+        f"dividing N (no B when the state has none); got query {query.shape}, key {key.shape}, "
+        f"value {value.shape}.")
   slot = state.position % W
   keys = jax.lax.dynamic_update_index_in_dim(state.keys, key.astype(state.keys.dtype), slot, 1)
   values = jax.lax.dynamic_update_index_in_dim(state.values, value.astype(state.values.dtype),
@@ -319,6 +329,8 @@ def local_attention_step(state: LocalState, query: jax.Array, key: jax.Array, va
   # The production dense path (jax.nn's XLA attention); oracles are for tests only.
   out = softmax_attention(query[:, None], keys, values, mask=filled[None, None, None, :],
                           scale=scale, implementation="xla")
+  if not batched:
+    return LocalState(keys[0], values[0], state.position + 1), out[0, 0]
   return LocalState(keys, values, state.position + 1), out[:, 0]
 
 
@@ -650,6 +662,7 @@ def bigbird_attention(
   bs = checks.check_positive_int(block_size, name="block_size", fn=fn)
   counts = dict(num_window_blocks=num_window_blocks, num_global_blocks=num_global_blocks,
                 num_random_blocks=num_random_blocks)
+  masks_lib.check_bigbird_options(fn, rng, **counts)  # Here, not first at trace time.
 
   def pattern(T: int, S: int) -> _Pattern:
     U = max(T, S)  # Shared grid: query i at U - T + i, key j at U - S + j.
