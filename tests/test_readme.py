@@ -44,3 +44,44 @@ def test_context_parallel_example_runs():
   exec(compile(_blocks("python")[3], "README context parallelism", "exec"), namespace)  # noqa: S102
   assert namespace["out"].shape == (2, 4096, 8, 64)
   assert namespace["layer"].context_parallel.axis_name == "seq"
+
+
+# The support matrix's rows, by registry name; the other registry entries reuse a row's
+# function with another feature map.
+MATRIX_ROWS = {
+    "softmax_attention": "softmax", "flash_attention": "flash", "linear_attention": "linear_elu",
+    "performer_attention": "performer", "linear_learned": "linear_learned",
+    "efficient_attention": "efficient", "heinsen_attention": "heinsen", "local_attention": "local",
+    "strided_attention": "strided", "block_sparse_attention": "block_sparse",
+    "longformer_attention": "longformer", "bigbird_attention": "bigbird",
+}
+SAME_ROW = {"linear_relu": "linear_elu", "random_fourier": "performer"}
+
+
+def test_support_matrix_matches_the_registry():
+  """Each row says what its registry entry declares; the shared suite tests those claims."""
+  import linattn_jax as la
+
+  section = README.split("## Support matrix", 1)[1].split("\n## ", 1)[0]
+  rows = {}
+  for line in section.splitlines():
+    if line.startswith("| `"):
+      cells = [c.strip() for c in line.strip("|").split(" | ")]
+      rows[re.match(r"`(\w+)`", cells[0]).group(1)] = cells
+  assert sorted(rows) == sorted(MATRIX_ROWS)
+  assert sorted([*MATRIX_ROWS.values(), *SAME_ROW]) == sorted(la.available_attentions())
+  known = {i for name in la.available_attentions() for i in la.get_spec(name).implementations}
+  for row, (_, impls, noncausal, causal, padding, gqa, step, passing) in rows.items():
+    spec = la.get_spec(MATRIX_ROWS[row])
+    listed = set(re.findall(r"`(\w+)`", impls)) & known
+    if impls.startswith("as `linear_attention`"):
+      listed |= set(la.get_spec("linear_elu").implementations)
+    assert listed == set(spec.implementations) - {None}, row
+    assert noncausal.startswith("✓") == spec.supports_noncausal, row
+    assert causal.startswith("✓") == spec.supports_causal, row
+    assert padding.startswith("✓") and gqa.startswith("✓"), row  # The suite runs both on all.
+    assert step.startswith("✓") == (spec.streaming is not None), row
+    state_passing = spec.streaming is not None and spec.streaming.state_passing
+    assert passing.startswith("✓") == state_passing, row
+  for name, same in SAME_ROW.items():
+    assert la.get_spec(name).implementations == la.get_spec(same).implementations
