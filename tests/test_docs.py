@@ -1,5 +1,8 @@
 """Every public name is documented with shapes and an example, and its examples run.
 
+Every public function also says what it raises and, unless it is a utility
+listed in ``NO_PAPER``, cites the paper whose method it implements.
+
 The public names are the ``__all__`` entries of ``linattn_jax`` and of its
 public namespaces (``nn``, ``parallel``, ``masks``, ``feature_maps``); a
 namespace listed in another's ``__all__`` is covered by its own names. Each
@@ -86,3 +89,25 @@ def test_docstring_examples_run(name):
     failed, attempted = failed + result.failed, attempted + result.attempted
   assert attempted > 0, f"{name}: no example ran"
   assert failed == 0, f"{name}: {failed} of {attempted} example(s) failed:\n{report.getvalue()}"
+
+
+FUNCTIONS = sorted(name for name, obj in PUBLIC.items() if inspect.isfunction(obj))
+# Utilities that implement no paper's method: the registry, empty states, plain masks, glue.
+NO_PAPER = {
+    "linattn_jax.available_attentions", "linattn_jax.get_attention", "linattn_jax.get_spec",
+    "linattn_jax.register_attention", "linattn_jax.masks.causal", "linattn_jax.masks.padding",
+    "linattn_jax.nn.as_flax_attention_fn", "linattn_jax.nn.cache_kind",
+    "linattn_jax.parallel.recurrent_attentions",
+    *(name for name in FUNCTIONS if name.rsplit(".", 1)[1].startswith("init_")),
+}
+
+
+@pytest.mark.parametrize("name", FUNCTIONS)
+def test_function_says_what_it_raises_and_cites_its_paper(name):
+  doc = inspect.getdoc(PUBLIC[name])
+  assert re.search(r"^Raises:\n +\S", doc, flags=re.M), f"{name}: no Raises section"
+  block = re.search(r"^References:\n((?: +\S.*(?:\n|$))+)", doc, flags=re.M)
+  cites = block and re.search(r"\b(19|20)\d\d\b", block.group(1))  # author, title, year
+  assert bool(cites) == (name not in NO_PAPER), (
+      f"{name}: cite the paper it implements (author, title, year) in a References section"
+      if not cites else f"{name}: cites a paper; remove it from NO_PAPER")

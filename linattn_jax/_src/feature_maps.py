@@ -148,6 +148,9 @@ def relu(x: jax.Array, *, is_query: bool = False) -> jax.Array:
     >>> out = la.linear_attention(x[:, None], x[:, None], x[:, None], feature_map=feature_maps.relu)
     >>> out.shape, bool(jnp.all(out[0] == 0))
     ((2, 1, 2), True)
+
+  References:
+    Qin et al., "cosFormer: Rethinking Softmax in Attention", ICLR 2022.
   """
   del is_query
   return jax.nn.relu(x)
@@ -252,6 +255,10 @@ def projected(weight: Any, bias: Any) -> Projected:
     >>> dw, db = jax.grad(loss, argnums=(0, 1))(w, b)
     >>> dw.shape, db.shape
     ((4, 6), (6,))
+
+  References:
+    Kasai et al., "Finetuning Pretrained Transformers into RNNs", EMNLP 2021
+    (a learned feature map).
   """
   weight, bias = jnp.asarray(weight), jnp.asarray(bias)
   if weight.ndim != 2 or bias.shape != weight.shape[1:]:

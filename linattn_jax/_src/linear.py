@@ -215,7 +215,8 @@ def linear_attention(
     ValueError: on bad shapes, dtypes or lengths, an unknown implementation,
       ``"parallel"`` with ``is_causal=True``, a non-positive ``chunk_size``, a
       negative ``eps``, a feature map with inconsistent output shapes, or an
-      ``initial_state`` of the wrong shape.
+      ``initial_state`` that is not a :class:`LinearState` of float arrays of
+      the shapes above.
 
   Examples:
     >>> q = jnp.ones((2, 100, 8, 16)); kv = jnp.ones((2, 100, 2, 16))
@@ -294,7 +295,8 @@ def linear_attention_reference(
   Raises:
     ValueError: as :func:`linear_attention`: bad shapes, dtypes or lengths,
       a negative ``eps``, a feature map with inconsistent output shapes, or
-      an ``initial_state`` of the wrong shape.
+      an ``initial_state`` that is not a :class:`LinearState` of float arrays
+      of the right shapes.
 
   Examples:
     >>> x = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))
@@ -389,6 +391,9 @@ def linear_attention_step(
     >>> full = la.linear_attention(x, x, x, is_causal=True)
     >>> bool(jnp.allclose(outs.swapaxes(0, 1), full, atol=1e-5))
     True
+
+  References:
+    Katharopoulos et al., "Transformers are RNNs", 2020.
   """
   return recurrence.one_token_step(linear_attention, state, query, key, value,
                                    feature_map=feature_map, eps=eps)

@@ -187,6 +187,9 @@ def local(T: int, S: int, window_size: Any) -> jax.Array:
     [[0 1 1 0 0]
      [0 0 1 1 0]
      [0 0 0 1 1]]
+
+  References:
+    Beltagy et al., "Longformer: The Long-Document Transformer", 2020 (sliding window).
   """
   left, right = normalize_window(window_size, fn="local")
   q, k = _positions(T, S, "local")
@@ -233,6 +236,9 @@ def strided(T: int, S: int, stride: int, window_size: Any = None) -> jax.Array:
      [1 0 1 1 0 0]
      [1 0 0 1 1 0]
      [1 0 0 1 1 1]]
+
+  References:
+    Child et al., "Generating Long Sequences with Sparse Transformers", 2019.
   """
   stride = check_positive_int(stride, name="stride", fn="strided")
   q, k = _positions(T, S, "strided")
@@ -274,6 +280,9 @@ def block_sparse(layout: Any, block_size: int, T: int, S: int) -> jax.Array:
     [[1 1 0 0]
      [1 1 0 0]
      [1 1 1 1]]
+
+  References:
+    Child et al., "Generating Long Sequences with Sparse Transformers", 2019.
   """
   block_size = check_positive_int(block_size, name="block_size", fn="block_sparse")
   T, S = positive_sizes("block_sparse", T=T, S=S)
@@ -333,6 +342,9 @@ def longformer(T: int, S: int, window_size: Any, global_positions: Any) -> jax.A
      [1 1 1 1 1]
      [0 0 1 1 0]
      [0 0 1 1 1]]
+
+  References:
+    Beltagy et al., "Longformer: The Long-Document Transformer", 2020.
   """
   q, k = _positions(T, S, "longformer")
   glob = check_global_positions(global_positions, S, "longformer")
@@ -416,6 +428,9 @@ def bigbird_layout(
      [1 1 0 0]
      [1 0 1 0]
      [1 0 0 1]]
+
+  References:
+    Zaheer et al., "Big Bird: Transformers for Longer Sequences", 2020.
   """
   fn = "bigbird_layout"
   gen = check_bigbird_options(fn, rng, num_window_blocks=num_window_blocks,
@@ -480,6 +495,9 @@ def bigbird(
      [1 1 1 1 0 0]
      [1 1 0 0 1 1]
      [1 1 0 0 1 1]]
+
+  References:
+    Zaheer et al., "Big Bird: Transformers for Longer Sequences", 2020.
   """
   bs = check_positive_int(block_size, name="block_size", fn="bigbird")
   check_bigbird_options("bigbird", rng, num_window_blocks=num_window_blocks,

@@ -121,7 +121,11 @@ def performer_attention(
     initial_state: PerformerState | None = None,
     return_state: bool = False,
 ) -> jax.Array | tuple[jax.Array, PerformerState]:
-  """Performer attention: an unbiased random-feature estimate of softmax attention.
+  """Performer attention: softmax attention through random features of its kernel.
+
+  Each feature product ``φ(q)·φ(k)`` is an unbiased estimate of the softmax
+  kernel ``exp(q·k / √H)``; the output, a ratio of two such sums, is biased,
+  with its error and bias falling as M grows.
 
   Linear attention (see :func:`linear_attention`) with FAVOR+ positive
   features (``kernel="positive"``) or trigonometric random features
@@ -243,7 +247,8 @@ def performer_attention_reference(
   Raises:
     ValueError: as :func:`performer_attention`: bad shapes, dtypes or
       lengths, an unknown ``kernel``, a projection that is not ``[M, H]``, a
-      negative ``eps``, or an ``initial_state`` of the wrong shape.
+      negative ``eps``, or an ``initial_state`` that is not a
+      :class:`PerformerState` of float arrays of the right shapes.
 
   Examples:
     >>> x = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))

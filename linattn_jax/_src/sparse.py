@@ -305,6 +305,9 @@ def local_attention_step(state: LocalState, query: jax.Array, key: jax.Array, va
     >>> full = la.local_attention(x, x, x, window_size=(2, 0), is_causal=True)
     >>> bool(jnp.allclose(outs.swapaxes(0, 1), full, atol=1e-5))
     True
+
+  References:
+    Beltagy et al., "Longformer: The Long-Document Transformer", 2020 (sliding window).
   """
   fn = "local_attention_step"
   query, key, value = (jnp.asarray(x) for x in (query, key, value))
@@ -632,7 +635,7 @@ def bigbird_attention(
     block_size: block length on both axes.
     num_window_blocks: blocks in the sliding window (odd numbers centre it).
     num_global_blocks: leading blocks that are global.
-    num_random_blocks: random key blocks per query block.
+    num_random_blocks: random key blocks per non-global query block.
     rng: an int seed or a concrete ``jax.random`` key; the pattern is built
       at trace time (it decides which blocks are gathered), so it must be
       static: the same rng gives the same pattern.
@@ -642,9 +645,10 @@ def bigbird_attention(
     ``[B, T, N, D]`` in the input dtype; rows with no visible key are zero.
 
   Raises:
-    ValueError: for a ``block_size`` that is not a positive int, a negative
-      block count, an ``rng`` that is traced or not a seed or key, bad
-      shapes, dtypes or lengths, or an unknown implementation.
+    ValueError: for a ``block_size`` that is not a positive int, a block
+      count that is not a non-negative int, an ``rng`` that is traced or not
+      a seed or key, bad shapes, dtypes or lengths, or an unknown
+      implementation.
 
   Examples:
     >>> x = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))
