@@ -369,14 +369,6 @@ def _seed(rng: Any, fn: str) -> np.random.Generator:
     raise ValueError(f"{fn}: rng must be an int seed or a jax PRNG key; got {rng!r}.") from e
 
 
-def check_bigbird_options(fn: str, rng: Any, **block_counts: Any) -> np.random.Generator:
-  """Checks BigBird's block counts (non-negative ints) and ``rng``; returns its Generator."""
-  for name, n in block_counts.items():
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
-      raise ValueError(f"{fn}: {name} must be a non-negative int; got {n!r}.")
-  return _seed(rng, fn)
-
-
 def bigbird_layout(
     num_blocks: int,
     *,
@@ -432,10 +424,21 @@ def bigbird_layout(
   References:
     Zaheer et al., "Big Bird: Transformers for Longer Sequences", 2020.
   """
-  fn = "bigbird_layout"
-  gen = check_bigbird_options(fn, rng, num_window_blocks=num_window_blocks,
-                              num_global_blocks=num_global_blocks,
-                              num_random_blocks=num_random_blocks)
+  return bigbird_blocks(num_blocks, num_window_blocks=num_window_blocks,
+                        num_global_blocks=num_global_blocks,
+                        num_random_blocks=num_random_blocks, rng=rng, is_causal=is_causal,
+                        fn="bigbird_layout")
+
+
+def bigbird_blocks(num_blocks: int, *, num_window_blocks: int, num_global_blocks: int,
+                   num_random_blocks: int, rng: Any, is_causal: bool, fn: str) -> np.ndarray:
+  """:func:`bigbird_layout`, its errors naming ``fn`` (the public function called)."""
+  for name, n in (("num_window_blocks", num_window_blocks),
+                  ("num_global_blocks", num_global_blocks),
+                  ("num_random_blocks", num_random_blocks)):
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+      raise ValueError(f"{fn}: {name} must be a non-negative int; got {n!r}.")
+  gen = _seed(rng, fn)
   nb = check_positive_int(num_blocks, name="num_blocks", fn=fn)
   g = min(num_global_blocks, nb)
   a = np.arange(nb)[:, None]
@@ -500,10 +503,9 @@ def bigbird(
     Zaheer et al., "Big Bird: Transformers for Longer Sequences", 2020.
   """
   bs = check_positive_int(block_size, name="block_size", fn="bigbird")
-  check_bigbird_options("bigbird", rng, num_window_blocks=num_window_blocks,
-                        num_global_blocks=num_global_blocks, num_random_blocks=num_random_blocks)
   U = max(positive_sizes("bigbird", T=T, S=S))
-  layout = bigbird_layout(-(-U // bs), num_window_blocks=num_window_blocks,
+  layout = bigbird_blocks(-(-U // bs), num_window_blocks=num_window_blocks,
                           num_global_blocks=num_global_blocks,
-                          num_random_blocks=num_random_blocks, rng=rng, is_causal=is_causal)
+                          num_random_blocks=num_random_blocks, rng=rng, is_causal=is_causal,
+                          fn="bigbird")
   return block_sparse(layout, bs, U, U)[U - T:, U - S:]

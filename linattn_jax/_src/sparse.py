@@ -666,11 +666,10 @@ def bigbird_attention(
   bs = checks.check_positive_int(block_size, name="block_size", fn=fn)
   counts = dict(num_window_blocks=num_window_blocks, num_global_blocks=num_global_blocks,
                 num_random_blocks=num_random_blocks)
-  masks_lib.check_bigbird_options(fn, rng, **counts)  # Here, not first at trace time.
 
   def pattern(T: int, S: int) -> _Pattern:
     U = max(T, S)  # Shared grid: query i at U - T + i, key j at U - S + j.
-    grid = masks_lib.bigbird_layout(-(-U // bs), rng=rng, is_causal=is_causal, **counts)
+    grid = masks_lib.bigbird_blocks(-(-U // bs), rng=rng, is_causal=is_causal, fn=fn, **counts)
     nb = grid.shape[0]
     g = min(num_global_blocks, nb)
     to_query = lambda u: np.where((u >= U - T) & (u < U), u - (U - T), T)  # noqa: E731
