@@ -106,13 +106,13 @@ class Transformer(nnx.Module):
   def __call__(self, tokens: jax.Array, lengths: jax.Array | None = None, *,
                position: Any = 0, decode: bool = False) -> jax.Array:
     L = tokens.shape[1]
-    x = self.embed(tokens) + self.positions(position + jnp.arange(L))
+    x = self.embed(tokens) + self.positions(position + jnp.arange(L))[None]
     for block in self.blocks:
       x = block(x, causal=self.causal, lengths=None if self.causal else lengths, decode=decode)
     x = self.norm(x)
     if not self.causal:  # Mean over the valid tokens.
       valid = (jnp.arange(L)[None, :] < lengths[:, None])[..., None]
-      x = jnp.sum(jnp.where(valid, x, 0), axis=1) / jnp.maximum(lengths[:, None], 1)
+      x = jnp.sum(jnp.where(valid, x, 0), axis=1) / jnp.maximum(lengths[:, None], 1).astype(x.dtype)
     return self.head(x).astype(jnp.float32)
 
   def init_cache(self, batch: int, max_len: int) -> None:

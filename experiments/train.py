@@ -249,7 +249,7 @@ def loss_and_metrics(model: Transformer, batch: dict[str, jax.Array]) -> tuple[j
     w = batch["weights"]
     total = jnp.maximum(w.sum(), 1.0)
     loss = (losses * w).sum() / total
-    accuracy = ((logits.argmax(-1) == batch["targets"]) * w).sum() / total
+    accuracy = ((logits.argmax(-1) == batch["targets"]).astype(w.dtype) * w).sum() / total
   else:
     logits = model(batch["inputs"], batch["lengths"])
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()

@@ -12,6 +12,13 @@ float32's. (GPUs otherwise multiply float32 in TF32, with 10-bit mantissas.)
 The CPU platform has 8 devices, for the context-parallel tests; everything
 else runs on the first (the training loop's data mesh spans all 8).
 Subprocesses choose their own count.
+
+Every test runs with ``jax.numpy_rank_promotion("raise")`` and
+``jax.numpy_dtype_promotion("strict")``, as many codebases do: the library
+must never rely on implicit rank or dtype promotion. Tests marked
+``standard_dtype_promotion`` run optax, whose Adam bias correction and
+schedules mix a Python float with int32 step counts (optax 0.2.x), under the
+standard dtype rules; rank promotion stays "raise" for them too.
 """
 
 import os
@@ -23,6 +30,8 @@ os.environ.setdefault(
     "XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update("jax_numpy_rank_promotion", "raise")
+jax.config.update("jax_numpy_dtype_promotion", "strict")
 
 
 def pytest_addoption(parser):
@@ -31,6 +40,15 @@ def pytest_addoption(parser):
       help="input seeds each parity test of the shared suite runs (default 1, the CI "
            "setting). A sweep, e.g. --seeds=20, shows that no tolerance holds by luck; the "
            "compiled programs are reused across seeds.")
+
+
+@pytest.fixture(autouse=True)
+def _dtype_promotion(request):
+  if request.node.get_closest_marker("standard_dtype_promotion") is None:
+    yield
+  else:
+    with jax.numpy_dtype_promotion("standard"):
+      yield
 
 
 @pytest.fixture(scope="session")

@@ -103,7 +103,7 @@ def _exp_form_after_state(q, k, v, state):
   k, v = (jnp.repeat(x, G, axis=2) for x in (k, v))  # [B, S, N, ·]
   kv, k_sum, running_max = (jnp.repeat(x, G, axis=1) for x in state)  # [B, N, H, ·]
   a = jnp.einsum("btnh,bsnh->btsn", jnp.exp(q), jnp.exp(k)) * jnp.tril(
-      jnp.ones((q.shape[1], k.shape[1])))[..., None]
+      jnp.ones((q.shape[1], k.shape[1])))[None, ..., None]
   num = jnp.einsum("btsn,bsnd->btnd", a, v) + jnp.einsum(
       "btnh,bnhd->btnd", jnp.exp(q), jnp.exp(running_max)[..., None] * kv)
   den = a.sum(axis=2) + jnp.einsum("btnh,bnh->btn", jnp.exp(q), jnp.exp(running_max) * k_sum)

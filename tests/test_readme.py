@@ -5,6 +5,8 @@ from __future__ import annotations
 import pathlib
 import re
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 
@@ -25,6 +27,7 @@ def test_quick_start_runs():
   assert namespace["out"].shape == (2, 1024, 8, 64)
 
 
+@pytest.mark.standard_dtype_promotion  # The example steps optax.
 def test_model_example_trains():
   namespace: dict = {}
   exec(compile(_blocks("python")[1], "README model", "exec"), namespace)  # noqa: S102

@@ -19,6 +19,9 @@ from absl import app
 
 from experiments import data, train
 
+# The training loop steps optax (see conftest: standard dtype promotion for it).
+pytestmark = pytest.mark.standard_dtype_promotion
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = dict(seq_len=16, batch_size=8, num_steps=3, learning_rate=1e-2, warmup_steps=1,
             weight_decay=0.0, clip_norm=1.0, num_layers=1, model_dim=16, num_heads=2,

@@ -126,7 +126,8 @@ def check_lengths(
   """Validates ``[B]`` integer length arrays; returns them as int32 ``[B]``.
 
   Keyword names are the argument names (``query_seq_lengths=...``). For
-  unbatched calls each length is a scalar (shape ``()``). A length above the
+  unbatched calls each length is a scalar (shape ``()``, or ``(1,)`` as jax.nn takes it).
+  A length above the
   padded length means "all valid"; None means no padding.
   """
   want = (prepared.dims.B,) if prepared.batched else ()
@@ -136,7 +137,7 @@ def check_lengths(
       out[name] = None
       continue
     x = jnp.asarray(x)
-    if x.shape != want:
+    if x.shape != want and not (not prepared.batched and x.shape == (1,)):  # jax.nn's [B=1].
       raise ValueError(
           f"{fn}: {name} must have shape {want} (one length per batch entry); "
           f"got {x.shape}."
@@ -179,8 +180,12 @@ def check_broadcast(
 
 
 def accumulation_dtype(dtype: Any) -> jnp.dtype:
-  """float32 for float32/bfloat16/float16 inputs; float64 for float64 inputs."""
-  return jnp.promote_types(dtype, jnp.float32)
+  """float32 for float32/bfloat16/float16 inputs; float64 for float64 inputs.
+
+  Spelled out rather than ``jnp.promote_types(dtype, jnp.float32)``, which raises
+  under ``jax_numpy_dtype_promotion="strict"``.
+  """
+  return jnp.dtype(jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32)
 
 
 def resolve_scale(scale: float | None, head_dim: int) -> float:

@@ -136,7 +136,7 @@ def _reference(p: checks.Prepared, is_causal: bool, lengths: jax.Array | None) -
   q_soft = jax.nn.softmax(q, axis=-1).reshape(B, T, K, N // K, H)
   visible = length_predicate(jnp.arange(S), lengths)[:, None, :]  # [B|1, 1, S]
   if is_causal:
-    visible = visible & causal_predicate(jnp.arange(T)[:, None], jnp.arange(S)[None], T, S)
+    visible = visible & causal_predicate(jnp.arange(T)[:, None], jnp.arange(S)[None], T, S)[None]
   s = jnp.where(visible[..., None, None], k[:, None], -jnp.inf)  # [B, T, S, K, H]
   m = lax.stop_gradient(jnp.max(s, axis=2, keepdims=True))
   e = jnp.exp(s - exponent_shift(m))

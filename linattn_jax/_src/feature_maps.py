@@ -225,7 +225,8 @@ class Projected:
 
   def __call__(self, x: jax.Array, *, is_query: bool = False) -> jax.Array:
     _check_head_dim("projected", "weight [H, M]", self.weight.shape, 0, x)
-    return elu_plus_one(x @ self.weight.astype(x.dtype) + self.bias.astype(x.dtype))
+    bias = jnp.reshape(self.bias.astype(x.dtype), (1,) * (x.ndim - 1) + self.bias.shape)
+    return elu_plus_one(x @ self.weight.astype(x.dtype) + bias)
 
 
 def projected(weight: Any, bias: Any) -> Projected:

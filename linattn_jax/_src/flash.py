@@ -85,9 +85,9 @@ class _Config:
       last_k = last_q + (self.S - self.T)
       hi = jnp.minimum(hi, jnp.maximum(last_k // self.block_k + 1, 0))
     if kv_len is not None:
-      hi = jnp.minimum(hi, num_blocks(jnp.max(kv_len), self.block_k))
+      hi = jnp.minimum(hi, num_blocks(jnp.max(kv_len).astype(hi.dtype), self.block_k))
     if q_len is not None:
-      hi = jnp.where(i * self.block_q >= jnp.max(q_len), 0, hi)
+      hi = jnp.where(i * self.block_q >= jnp.max(q_len).astype(hi.dtype), 0, hi)
     return 0, hi
 
   def query_block_range(self, j, q_len, kv_len):
@@ -98,9 +98,9 @@ class _Config:
       first_q = j * self.block_k - (self.S - self.T)
       lo = jnp.maximum(first_q // self.block_q, 0)
     if q_len is not None:
-      hi = jnp.minimum(hi, num_blocks(jnp.max(q_len), self.block_q))
+      hi = jnp.minimum(hi, num_blocks(jnp.max(q_len).astype(hi.dtype), self.block_q))
     if kv_len is not None:
-      hi = jnp.where(j * self.block_k >= jnp.max(kv_len), lo, hi)
+      hi = jnp.where(j * self.block_k >= jnp.max(kv_len).astype(hi.dtype), lo, hi)
     return lo, hi
 
 

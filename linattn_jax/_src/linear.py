@@ -469,7 +469,7 @@ def _init_learned(rng: jax.Array, head_dim: int, *,
   """
   M = head_dim if num_features is None else checks.check_positive_int(
       num_features, name="num_features", fn="linear_learned")
-  weight = jax.random.normal(rng, (head_dim, M), jnp.float32) / np.sqrt(head_dim)
+  weight = jax.random.normal(rng, (head_dim, M), jnp.float32) / float(np.sqrt(head_dim))
   return {"feature_weight": weight, "feature_bias": jnp.zeros((M,), jnp.float32)}
 
 

@@ -46,7 +46,7 @@ def length_predicate(pos: Any, lengths: jax.Array | None) -> jax.Array:
   pos = jnp.asarray(pos)
   if lengths is None:
     return jnp.ones((1,) + pos.shape, bool)
-  return pos < jnp.reshape(lengths, (-1,) + (1,) * pos.ndim)
+  return pos[None] < jnp.reshape(lengths, (-1,) + (1,) * pos.ndim).astype(pos.dtype)
 
 
 def causal(T: int, S: int | None = None) -> jax.Array:
@@ -138,7 +138,7 @@ def padding(
   return q_ok[:, :, None] & k_ok[:, None, :]
 
 
-def normalize_window(window_size: Any, *, fn: str) -> tuple[int, int]:
+def normalize_window(window_size: Any, *, fn: str, name: str = "window_size") -> tuple[int, int]:
   """``int`` or ``(left, right)`` -> ``(left, right)`` of non-negative ints."""
   pair = (window_size, window_size) if np.ndim(window_size) == 0 else window_size
   try:
@@ -148,7 +148,7 @@ def normalize_window(window_size: Any, *, fn: str) -> tuple[int, int]:
     valid = False
   if not valid or left < 0 or right < 0:
     raise ValueError(
-        f"{fn}: window_size must be a non-negative int or a (left, right) "
+        f"{fn}: {name} must be a non-negative int or a (left, right) "
         f"pair of them; got {window_size!r}."
     )
   return left, right
