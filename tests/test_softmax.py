@@ -94,7 +94,7 @@ def test_bias_gradient_matches_reference():
 
   def loss(bias, implementation):
     out = la.softmax_attention(q, k, v, bias=bias, mask=mask, implementation=implementation)
-    return jnp.sum(out * jnp.arange(SHAPE.D))
+    return jnp.sum(out * jnp.arange(SHAPE.D, dtype=out.dtype).reshape(1, 1, 1, -1))
 
   got = jax.grad(loss)(bias, "xla")
   want = jax.grad(loss)(bias, "reference")
@@ -146,8 +146,10 @@ def test_unbatched_inputs_and_lengths():
   batched = la.softmax_attention(q, k, v, key_value_seq_lengths=jnp.array([3, 4]))
   single = la.softmax_attention(q[1], k[1], v[1], key_value_seq_lengths=jnp.array(4))
   np.testing.assert_allclose(single, batched[1], atol=1e-6)
+  np.testing.assert_array_equal(  # jax.nn's form: a [1] length for unbatched inputs.
+      la.softmax_attention(q[1], k[1], v[1], key_value_seq_lengths=jnp.array([4])), single)
   with pytest.raises(ValueError, match=r"key_value_seq_lengths must have shape \(\)"):
-    la.softmax_attention(q[1], k[1], v[1], key_value_seq_lengths=jnp.array([4]))
+    la.softmax_attention(q[1], k[1], v[1], key_value_seq_lengths=jnp.array([4, 4]))
 
 
 def _primitives(jaxpr) -> set[str]:
@@ -210,3 +212,91 @@ def test_flash_rejects_bad_block_sizes(bad):
   q, k, v = make_qkv(SHAPE)
   with pytest.raises(ValueError, match="block_q must be a positive int"):
     la.flash_attention(q, k, v, block_q=bad)
+
+
+# -- jax.nn.dot_product_attention's whole signature --------------------------------------------
+
+
+def test_bias_and_mask_are_positional_as_in_jax_nn():
+  q, k, v = make_qkv(SHAPE)
+  bias, mask = _bias_mask(SHAPE)
+  want = la.softmax_attention(q, k, v, bias=bias, mask=mask)
+  np.testing.assert_array_equal(la.softmax_attention(q, k, v, bias, mask), want)
+  np.testing.assert_allclose(la.softmax_attention_reference(q, k, v, bias, mask), want,
+                             atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [2, (3, 1), (0, 2)], ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("T, S", [(7, 7), (5, 9)])
+def test_local_window_size_matches_jax_nn_top_left(window, causal, T, S):
+  """With causal_alignment="top_left" every path gives jax.nn's result, T != S included."""
+  q, k, v = make_qkv(Shape(B=2, T=T, S=S, N=4, K=2, H=8, D=8))
+  want = jax.nn.dot_product_attention(q, k, v, is_causal=causal, local_window_size=window)
+  for implementation in ("reference", "xla", None):
+    got = la.softmax_attention(q, k, v, is_causal=causal, local_window_size=window,
+                               causal_alignment="top_left", implementation=implementation)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5, err_msg=str(implementation))
+
+
+@pytest.mark.parametrize("T, S", [(7, 7), (5, 9)])
+def test_local_window_size_bottom_right_is_the_local_mask(T, S):
+  """The default alignment: the window of masks.local; implementation=None runs local_attention."""
+  q, k, v = make_qkv(Shape(B=2, T=T, S=S, N=4, K=2, H=8, D=8))
+  lengths = jnp.array([S, S - 2], jnp.int32)
+  for causal in (False, True):
+    want = la.softmax_attention_reference(
+        q, k, v, mask=la.masks.local(T, S, (2, 1))[None, None], is_causal=causal,
+        key_value_seq_lengths=lengths)
+    for implementation in ("xla", None):
+      got = la.softmax_attention(q, k, v, local_window_size=(2, 1), is_causal=causal,
+                                 key_value_seq_lengths=lengths, implementation=implementation)
+      np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+  with pytest.raises(ValueError, match="local_window_size must be a non-negative int"):
+    la.softmax_attention(q, k, v, local_window_size=(-1, 2))
+  with pytest.raises(ValueError, match="'flash' does not support `local_window_size`"):
+    la.softmax_attention(q, k, v, local_window_size=2, implementation="flash")
+
+
+@pytest.mark.parametrize("implementation", ["reference", "xla"])
+def test_return_residual_is_jax_nn_log_sum_exp(implementation):
+  q, k, v = make_qkv(Shape(B=2, T=5, S=9, N=4, K=2, H=8, D=8))
+  bias, _ = _bias_mask(Shape(B=2, T=5, S=9, N=4, K=2, H=8, D=8))
+  lengths = jnp.array([9, 4], jnp.int32)
+  out, lse = la.softmax_attention(q, k, v, bias, is_causal=True, key_value_seq_lengths=lengths,
+                                  return_residual=True, causal_alignment="top_left",
+                                  implementation=implementation)
+  want, want_lse = jax.nn.dot_product_attention(q, k, v, bias, is_causal=True,
+                                                key_value_seq_lengths=lengths,
+                                                return_residual=True)
+  assert lse.shape == (2, 5, 4) and lse.dtype == q.dtype
+  np.testing.assert_allclose(out, want, atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(lse, want_lse, atol=1e-5, rtol=1e-5)
+  # A row with no key: zeros out (jax.nn: the values' mean) and lse = -inf.
+  none = jnp.zeros((2, 1, 5, 9), bool).at[:, :, 1:].set(True)
+  out, lse = la.softmax_attention(q, k, v, mask=none, return_residual=True,
+                                  implementation=implementation)
+  assert np.all(np.asarray(out)[:, 0] == 0) and np.all(np.isneginf(np.asarray(lse)[:, 0]))
+  assert np.all(np.isfinite(np.asarray(lse)[:, 1:]))
+  with pytest.raises(ValueError, match="'flash' does not support `return_residual`"):
+    la.softmax_attention(q, k, v, return_residual=True, implementation="flash")
+
+
+def test_unbatched_inputs_broadcast_4d_masks_and_biases_as_jax_nn():
+  shape = Shape(B=2, T=5, S=7, N=4, K=2, H=4, D=4)  # jax.nn needs D == H.
+  q, k, v = (x[0] for x in make_qkv(shape))
+  bias, mask = (x[:1] for x in _bias_mask(shape))  # [1, N, T, S]
+  mask = mask.at[0, 1, 2].set(True)  # No empty row: there jax.nn returns the values' mean.
+  got = la.softmax_attention(q, k, v, bias, mask)
+  np.testing.assert_allclose(got, jax.nn.dot_product_attention(q, k, v, bias, mask), atol=1e-6)
+  with pytest.raises(ValueError, match="does not broadcast"):
+    la.softmax_attention(q, k, v, None, jnp.ones((2, 1, 5, 7), bool))
+
+
+def test_under_strict_promotion_the_session_runs_with():
+  """conftest turns both on for every test; this one says so where it can fail."""
+  assert jax.config.jax_numpy_rank_promotion == "raise"
+  assert jax.config.jax_numpy_dtype_promotion == "strict"
+  q, k, v = make_qkv(SHAPE)
+  lengths = jnp.array([3, 7], jnp.int32)
+  la.softmax_attention(q, k, v, query_seq_lengths=lengths, key_value_seq_lengths=lengths)

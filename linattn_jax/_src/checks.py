@@ -127,8 +127,7 @@ def check_lengths(
 
   Keyword names are the argument names (``query_seq_lengths=...``). For
   unbatched calls each length is a scalar (shape ``()``, or ``(1,)`` as jax.nn takes it).
-  A length above the
-  padded length means "all valid"; None means no padding.
+  A length above the padded length means "all valid"; None means no padding.
   """
   want = (prepared.dims.B,) if prepared.batched else ()
   out = {}

@@ -17,7 +17,7 @@ pattern (query i sees keys ``j <= i + S - T``, bottom-right aligned, see
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,19 +37,24 @@ class Args(NamedTuple):
   scale: float
   query_seq_lengths: jax.Array | None  # [B] int32
   key_value_seq_lengths: jax.Array | None  # [B] int32
+  window: tuple[int, int] | None = None  # (left, right) of local_window_size.
+  offset: int = 0  # Query i sits at key position i + offset: S - T (bottom-right) or 0.
+
+
+CausalAlignment = Literal["bottom_right", "top_left"]
 
 
 def prepare(query, key, value, *, bias, mask, is_causal, scale,
-             query_seq_lengths, key_value_seq_lengths, fn: str) -> Args:
+            query_seq_lengths, key_value_seq_lengths, fn: str, local_window_size: Any = None,
+            causal_alignment: CausalAlignment = "bottom_right") -> Args:
   p = checks.prepare_qkv(query, key, value, fn=fn)
   B, T, S, N, _, H, _ = p.dims
-  target = (B, N, T, S) if p.batched else (N, T, S)
+  # Unbatched calls broadcast masks and biases as jax.nn does: to [1, N, T, S].
+  target = (B, N, T, S)
   bias, mask = (
       checks.check_broadcast(x, name=name, target=target, fn=fn, dtype_kind=kind)
       for x, name, kind in ((bias, "bias", "float"), (mask, "mask", "bool"))
   )
-  if not p.batched:
-    bias, mask = (None if x is None else x[None] for x in (bias, mask))
   if bias is not None:  # A bias of -inf hides its key: a mask, so that every path sees it.
     visible = ~jnp.isneginf(bias)
     mask = visible if mask is None else mask & visible
@@ -58,7 +63,26 @@ def prepare(query, key, value, *, bias, mask, is_causal, scale,
       key_value_seq_lengths=key_value_seq_lengths,
   )
   is_causal = checks.check_static_bool(is_causal, name="is_causal", fn=fn)
-  return Args(p, bias, mask, is_causal, checks.resolve_scale(scale, H), **lengths)
+  checks.check_choice(causal_alignment, name="causal_alignment",
+                      choices=("bottom_right", "top_left"), fn=fn)
+  window = (None if local_window_size is None
+            else masks_lib.normalize_window(local_window_size, fn=fn, name="local_window_size"))
+  offset = S - T if causal_alignment == "bottom_right" else 0
+  return Args(p, bias, mask, is_causal, checks.resolve_scale(scale, H), **lengths,
+              window=window, offset=offset)
+
+
+def position_mask(a: Args) -> jax.Array | None:
+  """``[T, S]``: the causal and window patterns with query i at key position ``i + offset``."""
+  if not a.is_causal and a.window is None:
+    return None
+  T, S = a.prepared.dims.T, a.prepared.dims.S
+  rel = jnp.arange(S)[None, :] - (jnp.arange(T)[:, None] + a.offset)  # Key minus query position.
+  ok = rel <= 0 if a.is_causal else jnp.ones((T, S), bool)
+  if a.window is not None:
+    left, right = a.window
+    ok = ok & (rel >= -left) & (rel <= right)
+  return ok
 
 
 def combined_mask(a: Args) -> jax.Array | None:
@@ -67,8 +91,9 @@ def combined_mask(a: Args) -> jax.Array | None:
   parts = []
   if a.mask is not None:
     parts.append(a.mask)
-  if a.is_causal:
-    parts.append(masks_lib.causal(T, S)[None, None])
+  positions = position_mask(a)
+  if positions is not None:
+    parts.append(positions[None, None])
   if a.query_seq_lengths is not None or a.key_value_seq_lengths is not None:
     parts.append(masks_lib.padding(
         T, S, query_seq_lengths=a.query_seq_lengths,
@@ -81,75 +106,113 @@ def combined_mask(a: Args) -> jax.Array | None:
   return jnp.broadcast_to(out, out.shape[:2] + (T, S))
 
 
-def reference(a: Args) -> jax.Array:
+def scores(a: Args) -> jax.Array:
+  """``q kᵀ·scale + bias`` ``[B, N, T, S]`` in the accumulation dtype, -inf where masked."""
   acc = checks.accumulation_dtype(a.prepared.query.dtype)
-  q, k, v = (x.astype(acc) for x in a.prepared[:3])
-  G = a.prepared.dims.G
-  k = jnp.repeat(k, G, axis=2)  # [B, S, N, H]: head n uses kv head n // G.
-  v = jnp.repeat(v, G, axis=2)
+  q, k = (x.astype(acc) for x in a.prepared[:2])
+  k = jnp.repeat(k, a.prepared.dims.G, axis=2)  # [B, S, N, H]: head n uses kv head n // G.
   s = jnp.einsum("btnh,bsnh->bnts", q, k) * a.scale
   if a.bias is not None:
     s = s + a.bias.astype(acc)
   valid = combined_mask(a)
-  if valid is not None:
-    s = jnp.where(valid, s, -jnp.inf)
+  return s if valid is None else jnp.where(valid, s, -jnp.inf)
+
+
+def weights(a: Args) -> jax.Array:
+  """The softmax weights ``[B, N, T, S]`` (accumulation dtype); a row with no key is zeros."""
+  s = scores(a)
   m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
   p = jnp.exp(s - jnp.where(m == -jnp.inf, 0.0, m))
   l = jnp.sum(p, axis=-1, keepdims=True)
-  w = p / jnp.where(l == 0.0, 1.0, l)
-  out = jnp.einsum("bnts,bsnd->btnd", w, v)
-  return out.astype(a.prepared.query.dtype)
+  return p / jnp.where(l == 0.0, 1.0, l)
 
 
-def xla(a: Args) -> jax.Array:
+def apply_weights(a: Args, w: jax.Array) -> jax.Array:
+  """``Σ_s w[b, n, t, s] v[b, s, n // G]``: ``[B, T, N, D]`` in the input dtype."""
+  v = jnp.repeat(a.prepared.value.astype(w.dtype), a.prepared.dims.G, axis=2)
+  return jnp.einsum("bnts,bsnd->btnd", w, v).astype(a.prepared.query.dtype)
+
+
+def reference(a: Args) -> jax.Array:
+  return apply_weights(a, weights(a))
+
+
+def log_sum_exp(a: Args) -> jax.Array:
+  """``log Σ_s exp(scores)`` ``[B, T, N]`` (``-inf`` for a row with no key), not differentiated.
+
+  The residual of ``jax.nn.dot_product_attention(..., return_residual=True)``.
+  """
+  lse = jax.nn.logsumexp(scores(a), axis=-1).transpose(0, 2, 1)
+  return jax.lax.stop_gradient(lse).astype(a.prepared.query.dtype)
+
+
+def xla(a: Args, *, return_residual: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
   """``jax.nn.dot_product_attention(implementation="xla")`` plus what it lacks.
 
   It needs H == D, so the shorter of the two head dims is zero padded (which
-  changes neither Q Kᵀ nor the kept output columns). Its ``is_causal`` is
-  top-left aligned, so for T != S the bottom-right causal mask is passed as
-  ``mask``. It gives fully masked rows uniform weights; those rows are zeroed.
-  Its float16 matmuls do not compile on CPU, so there float16 runs in float32.
+  changes neither Q Kᵀ nor the kept output columns). Its causal and window
+  masks put query i at key position i (top-left); other alignments reach it
+  as ``mask``. It gives fully masked rows uniform weights; those rows are
+  zeroed (and their log-sum-exp is -inf). Its float16 matmuls do not compile
+  on CPU, so there float16 runs in float32; so do 16-bit inputs under strict
+  dtype promotion, where its gradient would mix dtypes.
   """
   q, k, v = a.prepared[:3]
   dtype = q.dtype
-  if dtype == jnp.float16 and jax.default_backend() == "cpu":
+  strict = jax.config.jax_numpy_dtype_promotion == "strict"
+  if (dtype == jnp.float16 and jax.default_backend() == "cpu") or (
+      strict and dtype in (jnp.bfloat16, jnp.float16)):
+    # jax.nn's gradient mixes 16-bit and float32 arrays, which strict promotion refuses.
     q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
   _, T, S, _, _, H, D = a.prepared.dims
   width = max(H, D)
   pad = lambda x: jnp.pad(x, [(0, 0)] * 3 + [(0, width - x.shape[-1])])  # noqa: E731
-  mask = a.mask
-  if a.is_causal and T != S:
-    causal = masks_lib.causal(T, S)[None, None]
-    mask = causal if mask is None else mask & causal
-  out = jax.nn.dot_product_attention(
-      pad(q), pad(k), pad(v),
-      bias=a.bias,
-      mask=mask,
-      scale=a.scale,
-      is_causal=a.is_causal and T == S,
-      query_seq_lengths=a.query_seq_lengths,
-      key_value_seq_lengths=a.key_value_seq_lengths,
-      implementation="xla",
-  )[..., :D]
+  mask, native_causal = a.mask, a.is_causal and a.offset == 0 and a.window is None
+  if not native_causal:
+    positions = position_mask(a)
+    if positions is not None:
+      mask = positions[None, None] if mask is None else mask & positions[None, None]
+  # jax.nn promotes bfloat16 with float32 internally, which strict dtype promotion refuses:
+  # its own arithmetic runs under the standard rules, ours stays strict.
+  with jax.numpy_dtype_promotion("standard"):
+    result = jax.nn.dot_product_attention(
+        pad(q), pad(k), pad(v),
+        bias=a.bias,
+        mask=mask,
+        scale=a.scale,
+        is_causal=native_causal,
+        query_seq_lengths=a.query_seq_lengths,
+        key_value_seq_lengths=a.key_value_seq_lengths,
+        implementation="xla",
+        return_residual=return_residual,
+    )
+  out, lse = result if return_residual else (result, None)
+  out = out[..., :D]
   valid = combined_mask(a)
   if valid is not None:
     has_key = jnp.any(valid, axis=-1).transpose(0, 2, 1)  # [B|1, T, N|1]
     out = jnp.where(has_key[..., None], out, 0)
-  return out.astype(dtype)
+    if lse is not None:
+      lse = jnp.where(has_key, lse, -jnp.inf)
+  out = out.astype(dtype)
+  return (out, lse.astype(dtype)) if return_residual else out
 
 
 def softmax_attention_reference(
     query: ArrayLike,
     key: ArrayLike,
     value: ArrayLike,
+    bias: ArrayLike | None = None,
+    mask: ArrayLike | None = None,
     *,
-    bias: Any = None,
-    mask: Any = None,
-    is_causal: bool = False,
     scale: float | None = None,
-    query_seq_lengths: Any = None,
-    key_value_seq_lengths: Any = None,
-) -> jax.Array:
+    is_causal: bool = False,
+    query_seq_lengths: ArrayLike | None = None,
+    key_value_seq_lengths: ArrayLike | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    return_residual: bool = False,
+    causal_alignment: CausalAlignment = "bottom_right",
+) -> jax.Array | tuple[jax.Array, jax.Array]:
   """The oracle of :func:`softmax_attention`: plain float32 einsums, O(T·S) memory.
 
   ``out[b, t, n] = Σ_s softmax_s(q[b, t, n]·k[b, s, n // G]·scale + bias) v[b, s, n // G]``
@@ -164,20 +227,23 @@ def softmax_attention_reference(
     value: ``[B, S, K, D]``.
     bias: optional float array broadcastable to ``[B, N, T, S]``.
     mask: optional bool array broadcastable to ``[B, N, T, S]``; True = attend.
-    is_causal: query i sees keys ``j <= i + S - T`` (bottom-right aligned).
     scale: logit scale; default ``1 / sqrt(H)``.
+    is_causal: query i sees keys ``j <= i + S - T`` (bottom-right aligned).
     query_seq_lengths: optional ``[B]`` ints; rows at or past it return zeros.
     key_value_seq_lengths: optional ``[B]`` ints; keys at or past it are masked.
+    local_window_size: int or ``(left, right)``: keys within the window of the query.
+    return_residual: also return the rows' log-sum-exp ``[B, T, N]``.
+    causal_alignment: ``"bottom_right"`` or ``"top_left"``, as in :func:`softmax_attention`.
 
   Returns:
     ``[B, T, N, D]`` (or ``[T, N, D]``) in the input dtype; rows with no visible key
-    are zeros.
+    are zeros. With ``return_residual``, ``(out, lse)``.
 
   Raises:
     ValueError: on bad ranks, mixed or unsupported dtypes, mismatched batch, length or
       head sizes, a mask that is not boolean, a bias that is not floating point, masks or
-      biases that do not broadcast, lengths that are not ``[B]`` ints, or a traced
-      ``is_causal``.
+      biases that do not broadcast, lengths that are not ``[B]`` ints, a malformed window
+      or alignment, or a traced ``is_causal``.
 
   Examples:
     >>> x = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))
@@ -192,6 +258,8 @@ def softmax_attention_reference(
   """
   a = prepare(query, key, value, bias=bias, mask=mask, is_causal=is_causal, scale=scale,
               query_seq_lengths=query_seq_lengths,
-              key_value_seq_lengths=key_value_seq_lengths,
-              fn="softmax_attention_reference")
-  return a.prepared.restore(reference(a))
+              key_value_seq_lengths=key_value_seq_lengths, local_window_size=local_window_size,
+              causal_alignment=causal_alignment, fn="softmax_attention_reference")
+  out = reference(a)
+  result = (out, log_sum_exp(a)) if return_residual else out
+  return jax.tree.map(a.prepared.restore, result)
