@@ -40,7 +40,7 @@ def _full(layer, x):
 
 @nnx.jit
 def _decode(layer, x):
-  return layer(x, is_causal=True, decode=True)
+  return layer(x, decode=True)  # Flax's form: decoding is causal by construction.
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
@@ -233,13 +233,13 @@ def test_bad_calls_raise():
   with pytest.raises(ValueError, match="init_cache"):
     layer(x, is_causal=True, decode=True)
   layer.init_cache((B, 8, IN))
-  with pytest.raises(ValueError, match="is_causal=True"):
-    layer(x, decode=True)
-  with pytest.raises(ValueError, match="is_causal=True"):
+  with pytest.raises(ValueError, match="is_causal=False with 3 positions"):
+    layer(x, decode=True, is_causal=False)
+  with pytest.raises(ValueError, match="one causal self-attention sequence"):
     layer(x, x, is_causal=True, decode=True)
-  with pytest.raises(ValueError, match="batch 2"):
+  with pytest.raises(ValueError, match="batch dims"):
     layer(jnp.ones((3, 1, IN)), is_causal=True, decode=True)
-  with pytest.raises(ValueError, match="in_features=16"):
+  with pytest.raises(ValueError, match=r"inputs_q must be \[..., length, 16\]"):
     layer(jnp.ones((B, 3, IN + 1)))
 
 

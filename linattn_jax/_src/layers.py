@@ -24,17 +24,22 @@ heads, H head dim (keys and values), C a KV cache's capacity.
 
 from __future__ import annotations
 
+import functools
 import inspect
+import math
 from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.nnx.nn import dtypes as flax_dtypes
 from flax.nnx.nn import initializers
+from flax.typing import DotGeneralT, Dtype, Initializer, PrecisionLike, PromoteDtypeFn, Shape
 from jax import lax
 
-from linattn_jax._src import checks
+from linattn_jax._src import checks, dense
 from linattn_jax._src.online_softmax import safe_divide
 from linattn_jax._src.parallel import ContextParallel
 from linattn_jax._src.registry import AttentionSpec, accepted, get_spec
@@ -154,42 +159,67 @@ def cache_kind(attention: str) -> str:
 
 
 class MultiHeadAttention(nnx.Module):
-  """Multi-head attention with any registered variant and a decode cache.
+  """Multi-head attention with any registered variant: ``flax.nnx.MultiHeadAttention``'s interface.
 
   ``out = W_o · attention(x_q W_q, x_k W_k, x_v W_v)`` with ``W_q [in, N, H]``,
-  ``W_k``, ``W_v [in, K, H]`` and ``W_o [N, H, out]``, as in
-  ``flax.nnx.MultiHeadAttention`` (same parameter names and shapes, so
-  weights move between the two). ``attention`` names a registered variant;
-  its options go in ``attention_options``. Arrays a variant owns live in the
-  layer: a random projection (performer, random_fourier) as a
+  ``W_k``, ``W_v [in_kv, K, H]`` and ``W_o [N, H, out]``. Every constructor and
+  call argument of ``flax.nnx.MultiHeadAttention`` is taken, in its order and
+  with its meaning (same parameter names, shapes and draws, so a Flax
+  checkpoint loads and the same seed gives the same layer); the additions
+  are ``attention`` (a name from ``available_attentions()``) with its
+  ``attention_options``, and ``context_parallel``. Arrays a variant owns
+  live in the layer: a random projection (performer, random_fourier) as a
   :class:`FeatureProjection` drawn from ``rngs`` (see :meth:`redraw`), a
   learnable feature map (linear_learned) as ``nnx.Param``; both reach the
   attention function as data, so new values never recompile.
 
+  What a variant cannot honour raises a ``ValueError`` naming the argument
+  and the variant: attention dropout, a general ``mask`` and the weights'
+  ``sow_weights`` need a variant that forms softmax weights (softmax and the
+  sparse patterns; a kernel variant sows the weights it implies); the
+  recurrent variants take causal and padding masks as ``is_causal`` and
+  ``key_value_seq_lengths``.
+
   Args:
     num_heads: N.
-    in_features: size of the inputs' last axis.
+    in_features: size of the query inputs' last axis.
     qkv_features: N·H (default ``in_features``); must divide by N.
     out_features: output size (default ``in_features``).
     num_kv_heads: K (default N); must divide N (GQA; 1 is MQA).
+    in_kv_features: size of the key/value inputs' last axis (default ``in_features``).
+    dtype, param_dtype, precision, kernel_init, out_kernel_init, bias_init,
+      out_bias_init, use_bias, qkv_promote_dtype, out_promote_dtype,
+      ln_promote_dtype, qkv_dot_general, out_dot_general,
+      qkv_dot_general_cls, out_dot_general_cls, kernel_metadata,
+      out_kernel_metadata, bias_metadata, out_bias_metadata,
+      query_ln_scale_metadata, key_ln_scale_metadata: the projections' and
+      norms' settings, as in ``flax.nnx.MultiHeadAttention``.
+    broadcast_dropout: one dropout pattern for every batch entry and head.
+    dropout_rate: attention dropout on the weights (variants that form them).
+    deterministic: no dropout; a call's ``deterministic`` takes precedence.
+    attention_fn: a Flax ``attention_fn`` used instead of a registered variant
+      (then ``attention`` stays ``"softmax"`` with no options).
+    decode: decode by default (a call's ``decode`` takes precedence).
+    normalize_qk: LayerNorm (no bias) of queries and keys per head: ``query_ln``, ``key_ln``.
+    rngs: ``nnx.Rngs``: ``params`` draws the weights and projections, ``dropout`` the dropout.
+    keep_rngs: keep a forked dropout stream in the layer (when ``dropout_rate > 0``).
     attention: a name from ``available_attentions()``.
     attention_options: that variant's options, e.g. ``{"window_size": (64, 0)}``
       or ``{"num_features": 128}``; not ``rng``, ``initial_state`` or the
       variant's arrays, which the layer owns.
-    use_bias, dtype, param_dtype, precision, kernel_init, bias_init: as in
-      ``flax.nnx.MultiHeadAttention`` (``dtype`` is the computation dtype).
     context_parallel: a ``linattn_jax.parallel.ContextParallel`` (a mesh and
       the axis that splits the sequence): self-attention calls then run
       with context parallelism, ring attention for softmax and flash, the
       state-passing form for recurrent variants. Decoding is unaffected.
-    rngs: ``nnx.Rngs``; ``rngs.params()`` draws the weights and projections.
 
   Raises:
     ValueError: for an unknown variant or option, an option the layer owns,
       a required option left out, ``num_heads`` or ``num_kv_heads`` that is
       not a positive int, ``qkv_features`` not divisible by N, N not
-      divisible by K, a ``context_parallel`` that is not a
-      ``ContextParallel``, or a variant ``context_parallel`` cannot run.
+      divisible by K, a ``dropout_rate`` outside [0, 1) or one for a variant
+      that forms no weights, ``attention_fn`` with another variant, a
+      ``context_parallel`` that is not a ``ContextParallel``, or a variant
+      ``context_parallel`` cannot run.
 
   Examples:
     >>> layer = nn.MultiHeadAttention(4, 32, attention="linear_elu", rngs=nnx.Rngs(0))
@@ -201,24 +231,60 @@ class MultiHeadAttention(nnx.Module):
     >>> x = jax.random.normal(jax.random.key(0), (2, 6, 32))  # [B, T, in]
     >>> full = layer(x, is_causal=True)
     >>> layer.init_cache(x.shape)
-    >>> prompt = layer(x[:, :4], is_causal=True, decode=True)
-    >>> steps = [layer(x[:, t:t + 1], is_causal=True, decode=True) for t in (4, 5)]
+    >>> prompt = layer(x[:, :4], decode=True)
+    >>> steps = [layer(x[:, t:t + 1], decode=True) for t in (4, 5)]
     >>> bool(jnp.allclose(jnp.concatenate([prompt, *steps], axis=1), full, atol=1e-5))
     True
 
   References:
     Vaswani et al., "Attention Is All You Need", 2017. Ainslie et al., "GQA:
     Training Generalized Multi-Query Transformer Models from Multi-Head
-    Checkpoints", 2023.
+    Checkpoints", 2023. Dehghani et al., "Scaling Vision Transformers to 22
+    Billion Parameters", 2023 (normalize_qk).
   """
 
-  def __init__(self, num_heads: int, in_features: int, *, qkv_features: int | None = None,
-               out_features: int | None = None, num_kv_heads: int | None = None,
-               attention: str = "softmax", attention_options: Mapping[str, Any] | None = None,
-               use_bias: bool = True, dtype: Any = None, param_dtype: Any = jnp.float32,
-               precision: Any = None, kernel_init: Any = default_kernel_init,
-               bias_init: Any = default_bias_init, context_parallel: Any = None,
-               rngs: nnx.Rngs):
+  def __init__(
+      self,
+      num_heads: int,
+      in_features: int,
+      qkv_features: int | None = None,
+      out_features: int | None = None,
+      num_kv_heads: int | None = None,
+      in_kv_features: int | None = None,
+      *,
+      dtype: Dtype | None = None,
+      param_dtype: Dtype = jnp.float32,
+      broadcast_dropout: bool = True,
+      dropout_rate: float = 0.0,
+      deterministic: bool | None = None,
+      precision: PrecisionLike = None,
+      kernel_init: Initializer = default_kernel_init,
+      out_kernel_init: Initializer | None = None,
+      bias_init: Initializer = default_bias_init,
+      out_bias_init: Initializer | None = None,
+      use_bias: bool = True,
+      attention_fn: Callable[..., jax.Array] | None = None,
+      decode: bool | None = None,
+      normalize_qk: bool = False,
+      qkv_promote_dtype: PromoteDtypeFn = flax_dtypes.promote_dtype,
+      out_promote_dtype: PromoteDtypeFn = flax_dtypes.promote_dtype,
+      ln_promote_dtype: PromoteDtypeFn = flax_dtypes.promote_dtype,
+      qkv_dot_general: DotGeneralT | None = None,
+      out_dot_general: DotGeneralT | None = None,
+      qkv_dot_general_cls: Any = None,
+      out_dot_general_cls: Any = None,
+      rngs: nnx.Rngs,
+      keep_rngs: bool = True,
+      kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
+      out_kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
+      bias_metadata: Mapping[str, Any] = MappingProxyType({}),
+      out_bias_metadata: Mapping[str, Any] = MappingProxyType({}),
+      query_ln_scale_metadata: Mapping[str, Any] = MappingProxyType({}),
+      key_ln_scale_metadata: Mapping[str, Any] = MappingProxyType({}),
+      attention: str = "softmax",
+      attention_options: Mapping[str, Any] | None = None,
+      context_parallel: ContextParallel | None = None,
+  ):
     fn = "MultiHeadAttention"
     N = checks.check_positive_int(num_heads, name="num_heads", fn=fn)
     K = N if num_kv_heads is None else checks.check_positive_int(
@@ -228,41 +294,76 @@ class MultiHeadAttention(nnx.Module):
       raise ValueError(f"{fn}: num_heads={N} must be divisible by num_kv_heads={K}.")
     if features % N:
       raise ValueError(f"{fn}: qkv_features={features} must be divisible by num_heads={N}.")
+    if not 0.0 <= dropout_rate < 1.0:
+      raise ValueError(f"{fn}: dropout_rate must be in [0, 1); got {dropout_rate}.")
     self.num_heads, self.num_kv_heads, self.head_dim = N, K, features // N
-    self.in_features = in_features
+    self.in_features, self.qkv_features = in_features, features
+    self.in_kv_features = in_features if in_kv_features is None else in_kv_features
     self.out_features = in_features if out_features is None else out_features
-    self.dtype, self.param_dtype = dtype, param_dtype
+    self.dtype, self.param_dtype, self.precision = dtype, param_dtype, precision
+    self.broadcast_dropout, self.dropout_rate = broadcast_dropout, dropout_rate
+    self.deterministic, self.decode = deterministic, decode
+    self.use_bias, self.normalize_qk = use_bias, normalize_qk
     self.attention = attention
     self.attention_options = _check_attention_options(attention, attention_options or {})
-    self.cache_kind = cache_kind(attention)
+    spec = get_spec(attention)
+    if attention_fn is not None and (attention != "softmax" or self.attention_options):
+      raise ValueError(f"{fn}: attention_fn replaces the registered attention; it cannot be "
+                       f"combined with attention={attention!r} or attention_options.")
+    self.attention_fn = attention_fn
+    if dropout_rate > 0 and attention_fn is None and not spec.forms_weights:
+      raise ValueError(f"{fn}: dropout_rate={dropout_rate} drops attention weights, which "
+                       f"attention={attention!r} never forms; use 0.0 (or dropout elsewhere).")
     if context_parallel is not None:
       if not isinstance(context_parallel, ContextParallel):
         raise ValueError(f"{fn}: context_parallel must be a linattn_jax.parallel."
                          f"ContextParallel; got {type(context_parallel).__name__}.")
+      if attention_fn is not None:
+        raise ValueError(f"{fn}: context_parallel runs a registered attention, not attention_fn.")
       context_parallel.check(attention, self.attention_options)
     self.context_parallel = context_parallel
 
-    def proj(heads: int) -> nnx.LinearGeneral:
-      return nnx.LinearGeneral(in_features, (heads, self.head_dim), use_bias=use_bias,
-                               dtype=dtype, param_dtype=param_dtype, precision=precision,
-                               kernel_init=kernel_init, bias_init=bias_init, rngs=rngs)
-
-    self.query, self.key, self.value = proj(N), proj(K), proj(K)
-    self.out = nnx.LinearGeneral((N, self.head_dim), self.out_features, axis=(-2, -1),
-                                 use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
-                                 precision=precision, kernel_init=kernel_init,
-                                 bias_init=bias_init, rngs=rngs)
-    spec = get_spec(attention)
+    linear = functools.partial(
+        nnx.LinearGeneral, dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init,
+        bias_init=bias_init, use_bias=use_bias, precision=precision,
+        promote_dtype=qkv_promote_dtype, dot_general=qkv_dot_general,
+        dot_general_cls=qkv_dot_general_cls, kernel_metadata=kernel_metadata,
+        bias_metadata=bias_metadata, rngs=rngs)
+    H = self.head_dim
+    self.query = linear(in_features, (N, H))
+    self.key = linear(self.in_kv_features, (K, H))
+    self.value = linear(self.in_kv_features, (K, H))
+    if normalize_qk:
+      norm = functools.partial(nnx.LayerNorm, H, use_bias=False, dtype=dtype,
+                               param_dtype=param_dtype, promote_dtype=ln_promote_dtype, rngs=rngs)
+      self.query_ln = norm(scale_metadata=query_ln_scale_metadata)
+      self.key_ln = norm(scale_metadata=key_ln_scale_metadata)
+    else:
+      self.query_ln = nnx.data(None)
+      self.key_ln = nnx.data(None)
+    self.out = nnx.LinearGeneral(
+        (N, H), self.out_features, axis=(-2, -1), kernel_init=out_kernel_init or kernel_init,
+        bias_init=out_bias_init or bias_init, use_bias=use_bias, dtype=dtype,
+        param_dtype=param_dtype, precision=precision, promote_dtype=out_promote_dtype,
+        dot_general=out_dot_general, dot_general_cls=out_dot_general_cls,
+        kernel_metadata=out_kernel_metadata or kernel_metadata,
+        bias_metadata=out_bias_metadata or bias_metadata, rngs=rngs)
     if spec.params is not None:
       kind = nnx.Param if spec.params.trainable else FeatureProjection
       for name, array in self._draw(rngs.params()).items():
         setattr(self, name, kind(array.astype(param_dtype)))
+    self.rngs = rngs.dropout.fork() if keep_rngs and dropout_rate > 0 else None
     self.cache = nnx.data(None)
+    self.cache_batch_shape: tuple[int, ...] = ()
+
+  @property
+  def _spec(self) -> AttentionSpec:
+    return get_spec(self.attention)
 
   # -- variant-owned arrays ---------------------------------------------------
 
   def _draw(self, rng: jax.Array) -> dict[str, jax.Array]:
-    spec = get_spec(self.attention)
+    spec = self._spec
     return dict(spec.params.init(rng, self.head_dim,
                                  **accepted(spec.params.init, self.attention_options)))
 
@@ -273,7 +374,7 @@ class MultiHeadAttention(nnx.Module):
       ValueError: if the variant has no random projection (learned feature
         maps are trained, not redrawn).
     """
-    spec = get_spec(self.attention)
+    spec = self._spec
     if spec.params is None or spec.params.trainable:
       raise ValueError(f"MultiHeadAttention.redraw: attention={self.attention!r} has no "
                        "random projection to redraw.")
@@ -282,35 +383,55 @@ class MultiHeadAttention(nnx.Module):
 
   def _options(self) -> dict[str, Any]:
     """The variant's options plus its arrays (as data)."""
-    params = get_spec(self.attention).params
+    params = self._spec.params
     names = () if params is None else params.names
     arrays = {name: getattr(self, name).get_value() for name in names}
     return {**self.attention_options, **arrays}
 
   # -- calls ------------------------------------------------------------------
 
-  def __call__(self, inputs_q: jax.Array, inputs_k: jax.Array | None = None,
-               inputs_v: jax.Array | None = None, *, is_causal: bool = False,
-               key_value_seq_lengths: Any = None, decode: bool = False) -> jax.Array:
-    """Attends ``inputs_q [B, T, in]`` to ``inputs_k``/``inputs_v [B, S, in]``.
+  def __call__(
+      self,
+      inputs_q: jax.Array,
+      inputs_k: jax.Array | None = None,
+      inputs_v: jax.Array | None = None,
+      *,
+      mask: jax.Array | None = None,
+      deterministic: bool | None = None,
+      rngs: nnx.Rngs | nnx.RngStream | None = None,
+      sow_weights: bool = False,
+      decode: bool | None = None,
+      is_causal: bool | None = None,
+      key_value_seq_lengths: jax.Array | None = None,
+      out_sharding: Any = None,
+      qkv_sharding: Any = None,
+  ) -> jax.Array:
+    """Attends ``inputs_q [..., T, in]`` to ``inputs_k``/``inputs_v [..., S, in_kv]``.
 
-    Self-attention when ``inputs_k`` and ``inputs_v`` are omitted
-    (``inputs_v`` defaults to ``inputs_k``). ``is_causal`` and
-    ``key_value_seq_lengths`` ``[B]`` are as in the functions (query t sees
-    keys ``j <= t + S - T``). With ``decode=True`` (self-attention, causal,
-    after :meth:`init_cache`) the inputs are the next T positions of one
-    sequence: a prompt or one token; the cache advances by T.
+    Any number of leading batch dimensions (none included). Self-attention
+    when ``inputs_k`` and ``inputs_v`` are omitted (``inputs_v`` defaults to
+    ``inputs_k``). ``is_causal``: query t sees keys ``j <= t + S - T``;
+    ``key_value_seq_lengths`` ``[...]``: keys at or past it are masked;
+    ``mask`` (broadcastable to ``[..., N, T, S]``, True or nonzero = attend)
+    for variants that form weights. With ``decode`` (this call's, else the
+    layer's), after :meth:`init_cache`, the inputs are the next T positions of
+    one sequence (a prompt or one token), causal by construction; the cache
+    advances by T. ``deterministic``, ``rngs`` (dropout), ``sow_weights``
+    (the weights ``[..., N, T, S]`` into ``nnx.Intermediate`` as
+    ``attention_weights``), ``out_sharding`` and ``qkv_sharding`` are Flax's.
 
     Returns:
-      ``[B, T, out_features]``.
+      ``[..., T, out_features]``.
 
     Raises:
-      ValueError: for inputs whose last axis is not ``in_features``,
-        ``inputs_v`` without ``inputs_k``, or a decode call without a cache,
-        with cross-attention inputs, lengths or ``is_causal=False``, or with
-        inputs that do not match the cache. A KV cache's capacity is checked
-        when the program runs: going past it raises a runtime error that
-        names it.
+      ValueError: for inputs whose last axis is not ``in_features`` /
+        ``in_kv_features`` or whose batch dims differ, ``inputs_v`` without
+        ``inputs_k``, a mask, dropout or ``sow_weights`` the variant cannot
+        honour, dropout without ``rngs``, or a decode call without a cache,
+        with cross-attention inputs, lengths, ``is_causal=False`` on several
+        positions, or inputs that do not match the cache. A KV cache's
+        capacity is checked when the program runs: going past it raises a
+        runtime error that names it.
     """
     fn = "MultiHeadAttention"
     if inputs_k is None and inputs_v is not None:
@@ -319,67 +440,282 @@ class MultiHeadAttention(nnx.Module):
     self_attention = inputs_k is None
     inputs_k = inputs_q if inputs_k is None else inputs_k
     inputs_v = inputs_k if inputs_v is None else inputs_v
-    for name, x in (("inputs_q", inputs_q), ("inputs_k", inputs_k), ("inputs_v", inputs_v)):
-      if jnp.ndim(x) < 2 or jnp.shape(x)[-1] != self.in_features:
-        raise ValueError(f"{fn}: {name} must be [..., T, in_features={self.in_features}]; got "
-                         f"shape {jnp.shape(x)}.")
-    q, k, v = self.query(inputs_q), self.key(inputs_k), self.value(inputs_v)
-    if decode:
-      if self.cache is None:
-        raise ValueError(f"{fn}: decode=True needs a cache; call init_cache(input_shape) first.")
-      if not self_attention or not is_causal or key_value_seq_lengths is not None:
-        raise ValueError(f"{fn}: decode=True continues one causal self-attention sequence: "
-                         "pass is_causal=True, no inputs_k/inputs_v and no "
-                         "key_value_seq_lengths.")
-      out = self._decode(q, k, v)
-    elif self.context_parallel is not None:
-      out = self.context_parallel.attend(self.attention, q, k, v, is_causal=is_causal,
-                                         key_value_seq_lengths=key_value_seq_lengths,
-                                         **self._options())
+    for name, x, size in (("inputs_q", inputs_q, self.in_features),
+                          ("inputs_k", inputs_k, self.in_kv_features),
+                          ("inputs_v", inputs_v, self.in_kv_features)):
+      if jnp.ndim(x) < 2 or jnp.shape(x)[-1] != size:
+        raise ValueError(f"{fn}: {name} must be [..., length, {size}]; got shape "
+                         f"{jnp.shape(x)}.")
+    batch = jnp.shape(inputs_q)[:-2]
+    if jnp.shape(inputs_k)[:-2] != batch or jnp.shape(inputs_v)[:-2] != batch:
+      raise ValueError(f"{fn}: inputs_q, inputs_k and inputs_v must share their batch dims; "
+                       f"got {jnp.shape(inputs_q)}, {jnp.shape(inputs_k)}, {jnp.shape(inputs_v)}.")
+    q = self.query(inputs_q, out_sharding=qkv_sharding)
+    k = self.key(inputs_k, out_sharding=qkv_sharding)
+    v = self.value(inputs_v, out_sharding=qkv_sharding)
+    if self.normalize_qk:
+      q, k = self.query_ln(q), self.key_ln(k)
+    decode = bool(self.decode) if decode is None else decode
+    dropout_rng = self._dropout_rng(deterministic, rngs)
+    if self.attention_fn is not None:
+      out = self._flax_attention_fn(q, k, v, mask, is_causal, decode, dropout_rng, sow_weights,
+                                    lengths=key_value_seq_lengths, batch=batch)
+    elif decode:
+      if not self_attention or key_value_seq_lengths is not None:
+        raise ValueError(f"{fn}: decode continues one causal self-attention sequence: pass no "
+                         "inputs_k/inputs_v and no key_value_seq_lengths.")
+      if is_causal is False and q.shape[-3] > 1:
+        raise ValueError(f"{fn}: decoding is causal; is_causal=False with {q.shape[-3]} "
+                         "positions at once cannot be honoured.")
+      if dropout_rng is not None or sow_weights:
+        raise ValueError(f"{fn}: decoding forms no weights to drop or sow; call it with "
+                         "deterministic=True and sow_weights=False.")
+      out = self._decode(*(_flat(x, batch) for x in (q, k, v)), mask=_flat_mask(mask, batch))
     else:
-      attend = get_spec(self.attention).function
-      out = attend(q, k, v, is_causal=is_causal, key_value_seq_lengths=key_value_seq_lengths,
-                   **self._options())
-    return self.out(out)
+      out = self._attend(*(_flat(x, batch) for x in (q, k, v)), mask=_flat_mask(mask, batch),
+                         is_causal=bool(is_causal), dropout_rng=dropout_rng,
+                         lengths=None if key_value_seq_lengths is None else jnp.reshape(
+                             jnp.asarray(key_value_seq_lengths), (-1,)),
+                         sow_as=batch if sow_weights else None)
+    if self.attention_fn is None:
+      out = out.reshape(batch + out.shape[1:])
+    return self.out(out, out_sharding=out_sharding)
+
+  def _dropout_rng(self, deterministic: bool | None, rngs: Any) -> jax.Array | None:
+    """A key for this call's dropout, or None when no dropout applies (Flax's rules)."""
+    if self.dropout_rate == 0.0:
+      return None
+    deterministic = self.deterministic if deterministic is None else deterministic
+    if deterministic is None:
+      raise ValueError("MultiHeadAttention: dropout_rate > 0 needs `deterministic`, in the "
+                       "constructor, the call or through nnx.view.")
+    if deterministic:
+      return None
+    stream = rngs.dropout if isinstance(rngs, nnx.Rngs) else rngs
+    stream = self.rngs if stream is None else stream
+    if stream is None:
+      raise ValueError("MultiHeadAttention: dropout needs `rngs` in the call when the layer "
+                       "keeps none (keep_rngs=False).")
+    return stream()
+
+  def _attend(self, q: jax.Array, k: jax.Array, v: jax.Array, *, mask: jax.Array | None,
+              is_causal: bool, dropout_rng: jax.Array | None, lengths: jax.Array | None,
+              sow_as: tuple[int, ...] | None) -> jax.Array:
+    """One call on ``[B, T, N, H]`` arrays: the variant, or the weights when needed."""
+    spec, options, fn = self._spec, self._options(), "MultiHeadAttention"
+    general = mask is not None or dropout_rng is not None or sow_as is not None
+    if general and self.context_parallel is not None:
+      raise ValueError(f"{fn}: context_parallel takes no mask, dropout or sow_weights.")
+    if spec.forms_weights and general:
+      return self._softmax_weights(q, k, v, mask=mask, is_causal=is_causal,
+                                   dropout_rng=dropout_rng, lengths=lengths, sow_as=sow_as)
+    if mask is not None:
+      raise ValueError(f"{fn}: attention={self.attention!r} cannot honour a general `mask`; "
+                       "pass causal and padding masks as is_causal and key_value_seq_lengths.")
+    if sow_as is not None:
+      if spec.weights is None:
+        raise ValueError(f"{fn}: sow_weights: attention={self.attention!r} forms no "
+                         "attention weights to sow.")
+      implied = spec.weights(q, k, is_causal=is_causal, key_value_seq_lengths=lengths,
+                             **spec.what_options(options))
+      w = implied.weights / implied.normalizer[..., None]  # [B, N, T, S]
+      self.sow(nnx.Intermediate, "attention_weights",
+               w.astype(q.dtype).reshape(sow_as + w.shape[1:]))
+    if self.context_parallel is not None:
+      return self.context_parallel.attend(self.attention, q, k, v, is_causal=is_causal,
+                                          key_value_seq_lengths=lengths, **options)
+    return spec.function(q, k, v, is_causal=is_causal, key_value_seq_lengths=lengths,
+                         **options)
+
+  def _softmax_weights(self, q, k, v, *, mask, is_causal, dropout_rng, lengths,
+                       sow_as) -> jax.Array:
+    """Softmax over the variant's pattern and ``mask``; dropout and sowing on the weights."""
+    spec, options = self._spec, self.attention_options
+    if spec.dense_mask is None and dropout_rng is None and sow_as is None:
+      return spec.function(q, k, v, mask=mask, is_causal=is_causal,
+                           key_value_seq_lengths=lengths, **options)
+    if spec.dense_mask is not None:
+      T, S = q.shape[1], k.shape[1]
+      what = accepted(spec.dense_mask, spec.what_options(options))
+      pattern = jnp.asarray(spec.dense_mask(T, S, is_causal=is_causal, **what))
+      pattern = pattern.reshape((1,) * (4 - pattern.ndim) + pattern.shape)  # [1, N|1, T, S]
+      mask = pattern if mask is None else mask & pattern
+    a = dense.prepare(q, k, v, bias=None, mask=mask, is_causal=is_causal,
+                      scale=options.get("scale"), query_seq_lengths=None,
+                      key_value_seq_lengths=lengths, fn="MultiHeadAttention")
+    w = dense.weights(a)  # [B, N, T, S] float32
+    if sow_as is not None:
+      self.sow(nnx.Intermediate, "attention_weights",
+               w.astype(q.dtype).reshape(sow_as + w.shape[1:]))
+    if dropout_rng is not None:
+      keep_prob = 1.0 - self.dropout_rate
+      shape = (1, 1) + w.shape[2:] if self.broadcast_dropout else w.shape
+      keep = jax.random.bernoulli(dropout_rng, keep_prob, shape)
+      w = w * (keep.astype(w.dtype) / keep_prob)
+    return dense.apply_weights(a, w)
+
+  def _flax_attention_fn(self, q, k, v, mask, is_causal, decode, dropout_rng, sow_weights, *,
+                         lengths, batch) -> jax.Array:
+    """Flax's call of an injected ``attention_fn``, decoding through the KV cache as Flax does."""
+    fn = "MultiHeadAttention"
+    if lengths is not None:
+      raise ValueError(f"{fn}: key_value_seq_lengths reaches registered attentions only; with "
+                       "attention_fn pass a mask.")
+    if decode:
+      cache = self._cache_or_raise()
+      B, K, C, H = cache.key.shape
+      if q.shape[-3] != 1:
+        raise ValueError(f"{fn}: with attention_fn, decode takes one position at a time; got "
+                         f"{q.shape[-3]}.")
+      _check_cache_fits(self, _flat(k, batch), KVCache)
+      write = lambda c, x: lax.dynamic_update_slice_in_dim(  # noqa: E731
+          c, _flat(x, batch).swapaxes(1, 2).astype(c.dtype), cache.index, axis=2)
+      cache = KVCache(write(cache.key, k), write(cache.value, v), cache.index + 1)
+      self.cache.set_value(cache)
+      flax_layout = lambda c: c.swapaxes(1, 2).reshape(batch + (C, K, H)).astype(q.dtype)  # noqa: E731
+      k, v = flax_layout(cache.key), flax_layout(cache.value)
+      seen = jnp.arange(C) < cache.index
+      seen = jnp.broadcast_to(seen, batch + (1, 1, C))
+      mask = seen if mask is None else jnp.logical_and(mask, seen)
+    return self.attention_fn(
+        q, k, v, mask=mask, dropout_rng=dropout_rng, dropout_rate=self.dropout_rate,
+        broadcast_dropout=self.broadcast_dropout, deterministic=dropout_rng is None,
+        dtype=self.dtype, precision=self.precision, module=self if sow_weights else None,
+        is_causal=bool(is_causal))
 
   # -- decoding -----------------------------------------------------------------
 
-  def init_cache(self, input_shape: tuple[int, ...], dtype: Any = None) -> None:
-    """Allocates an empty decode cache for inputs of ``input_shape = (B, C, in)``.
+  def init_cache(self, input_shape: Shape, dtype: Dtype = jnp.float32) -> None:
+    """Allocates an empty decode cache for inputs of ``input_shape = (..., C, in)``.
 
-    A KV cache holds ``C`` positions (its capacity); a ring buffer the
-    window; a recurrent state has no capacity. ``dtype`` (default: the
-    layer's ``dtype``, else float32) is that of cached keys and values;
-    recurrent states accumulate in float32.
+    Any number of leading batch dims, as in Flax. A KV cache holds ``C``
+    positions (its capacity) of keys and values in ``dtype`` (default
+    float32, as Flax); a ring buffer holds the window; a recurrent state has
+    no capacity and accumulates in float32. For softmax-type variants the
+    cache reads as Flax's ``cached_key`` / ``cached_value`` ``[..., C, K, H]``
+    and ``cache_index``.
+
+    Raises:
+      ValueError: for an ``input_shape`` of fewer than two dims.
+
+    Examples:
+      >>> layer = nn.MultiHeadAttention(4, 32, num_kv_heads=2, rngs=nnx.Rngs(0))  # softmax
+      >>> layer.init_cache((3, 16, 32))  # (B, C, in)
+      >>> layer.cached_key.shape  # Flax's layout [B, C, K, H]
+      (3, 16, 2, 8)
+      >>> _ = layer(jnp.ones((3, 1, 32)), decode=True)
+      >>> int(layer.cache_index)
+      1
     """
-    if len(input_shape) != 3:
-      raise ValueError(f"MultiHeadAttention.init_cache: input_shape must be (B, C, in); got "
+    if len(input_shape) < 2:
+      raise ValueError(f"MultiHeadAttention.init_cache: input_shape must be (..., C, in); got "
                        f"{input_shape}.")
-    B, C, _ = input_shape
-    if dtype is None:
-      dtype = jnp.float32 if self.dtype is None else self.dtype
+    batch, C = tuple(input_shape[:-2]), input_shape[-2]
+    B = math.prod(batch)
     dtype = jnp.dtype(dtype)
     N, K, H = self.num_heads, self.num_kv_heads, self.head_dim
     zero = jnp.zeros((), jnp.int32)
-    if self.cache_kind == "kv":
+    if self.attention_fn is not None or cache_kind(self.attention) == "kv":
       cache = KVCache(jnp.zeros((B, K, C, H), dtype), jnp.zeros((B, K, C, H), dtype), zero)
     else:
-      streaming = get_spec(self.attention).streaming
+      streaming = self._spec.streaming
       q, kv = jnp.zeros((B, 1, N, H), dtype), jnp.zeros((B, 1, K, H), dtype)
       cache = StateCache(streaming.init(q, kv, kv, **accepted(streaming.init, self._options())),
                          zero)
     self.cache = nnx.Cache(cache)
+    self.cache_batch_shape = batch
 
-  def _decode(self, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    cache = self.cache.get_value()
-    _check_cache_fits(cache, k, self.cache_kind)
-    if self.cache_kind == "kv":
-      cache, out = _kv_decode(get_spec(self.attention), cache, q, k, v, self.attention_options)
+  def set_view(self, deterministic: bool | None = None, decode: bool | None = None,
+               batch_size: int | Shape | None = None, max_length: int | None = None) -> None:
+    """For ``nnx.view``: sets ``deterministic`` / ``decode``; with ``batch_size`` and
+    ``max_length``, also allocates the cache (see :meth:`init_cache`).
+
+    Raises:
+      ValueError: for ``batch_size`` without ``max_length`` or the reverse.
+    """
+    if deterministic is not None:
+      self.deterministic = deterministic
+    if decode is not None:
+      self.decode = decode
+    if (batch_size is None) != (max_length is None):
+      raise ValueError("MultiHeadAttention.set_view: give batch_size and max_length together.")
+    if decode and batch_size is not None:
+      batch = (batch_size,) if isinstance(batch_size, int) else tuple(batch_size)
+      self.init_cache(batch + (max_length, self.in_features))
+
+  def _cache_or_raise(self) -> Any:
+    if self.cache is None:
+      raise ValueError("MultiHeadAttention: decoding needs a cache; call init_cache(input_shape) "
+                       "(or nnx.view(..., decode=True, batch_size=..., max_length=...)) first.")
+    return self.cache.get_value()
+
+  def _kv_view(self, field: str) -> jax.Array:
+    cache = self._cache_or_raise()
+    if not isinstance(cache, KVCache):
+      raise AttributeError(f"MultiHeadAttention: attention={self.attention!r} keeps a "
+                           f"{type(cache).__name__}, not keys and values; read layer.cache.")
+    if field == "index":
+      return cache.index
+    x = getattr(cache, field)  # [B, K, C, H]
+    return x.swapaxes(1, 2).reshape(self.cache_batch_shape + x.shape[2:3] + x.shape[1:2]
+                                    + x.shape[3:])
+
+  @property
+  def cached_key(self) -> jax.Array:
+    """The cached keys in Flax's layout ``[..., C, K, H]`` (a view of :attr:`cache`)."""
+    return self._kv_view("key")
+
+  @property
+  def cached_value(self) -> jax.Array:
+    """The cached values in Flax's layout ``[..., C, K, H]`` (a view of :attr:`cache`)."""
+    return self._kv_view("value")
+
+  @property
+  def cache_index(self) -> jax.Array:
+    """Positions decoded so far, as Flax's ``cache_index``."""
+    return self._kv_view("index")
+
+  def _decode(self, q: jax.Array, k: jax.Array, v: jax.Array, *,
+              mask: jax.Array | None) -> jax.Array:
+    cache = self._cache_or_raise()
+    _check_cache_fits(self, k, type(cache))
+    if isinstance(cache, KVCache):
+      cache, out = _kv_decode(self._spec, cache, q, k, v, self.attention_options, mask=mask)
     else:
-      cache, out = _state_decode(get_spec(self.attention), self.cache_kind, cache, q, k, v,
+      if mask is not None:
+        raise ValueError(f"MultiHeadAttention: attention={self.attention!r} decodes from a "
+                         "state and cannot honour a `mask`.")
+      cache, out = _state_decode(self._spec, cache_kind(self.attention), cache, q, k, v,
                                  self._options())
     self.cache.set_value(cache)
     return out
+
+
+def _flat(x: jax.Array, batch: tuple[int, ...]) -> jax.Array:
+  """``[*batch, L, heads, dim]`` -> ``[B, L, heads, dim]`` (B = 1 for no batch dims)."""
+  return x.reshape((math.prod(batch),) + x.shape[len(batch):])
+
+
+def _flat_mask(mask: Any, batch: tuple[int, ...]) -> jax.Array | None:
+  """A mask broadcastable to ``[*batch, N, T, S]`` as ``[B|1, N|1, T|1, S|1]`` bool."""
+  if mask is None:
+    return None
+  mask = jnp.asarray(mask)
+  mask = mask if mask.dtype == jnp.bool_ else mask != 0  # Flax's masks may be float.
+  rank = len(batch) + 3
+  if mask.ndim > rank:
+    raise ValueError(f"MultiHeadAttention: mask of shape {mask.shape} has more dims than "
+                     f"[..., N, T, S] for batch dims {batch}.")
+  mask = mask.reshape((1,) * (rank - mask.ndim) + mask.shape)
+  lead = mask.shape[:len(batch)]
+  if all(d == 1 for d in lead):
+    return mask.reshape((1,) + mask.shape[len(batch):])
+  try:
+    mask = jnp.broadcast_to(mask, batch + mask.shape[len(batch):])
+  except ValueError:
+    raise ValueError(f"MultiHeadAttention: mask of shape {mask.shape} does not broadcast to "
+                     f"the batch dims {batch}.") from None
+  return mask.reshape((math.prod(batch),) + mask.shape[len(batch):])
 
 
 def _check_attention_options(attention: str, options: Mapping[str, Any]) -> dict[str, Any]:
@@ -393,22 +729,25 @@ def _check_attention_options(attention: str, options: Mapping[str, Any]) -> dict
   return dict(options)
 
 
-def _check_cache_fits(cache: Any, k: jax.Array, kind: str) -> None:
+def _check_cache_fits(layer: MultiHeadAttention, k: jax.Array, kind: type) -> None:
   """The cache was made for these shapes: ``[B, T, K, H]`` keys against the cache."""
-  leaves = cache.key if kind == "kv" else jax.tree.leaves(cache.state)[0]
-  B, K = leaves.shape[0], (leaves.shape[2] if kind == "window" else leaves.shape[1])
-  if k.shape[0] != B or k.shape[2] != K:
-    raise ValueError(f"MultiHeadAttention: the cache was made for batch {B} and {K} kv heads; "
-                     f"got keys {k.shape} ([B, T, K, H]). Call init_cache for these inputs.")
+  cache = layer.cache.get_value()
+  leaf = cache.key if kind is KVCache else jax.tree.leaves(cache.state)[0]
+  B = leaf.shape[0]
+  if k.shape[0] != B:
+    raise ValueError(f"MultiHeadAttention: the cache was made for batch dims "
+                     f"{layer.cache_batch_shape}; got keys {k.shape} ([B, T, K, H] with the "
+                     "batch dims flattened). Call init_cache for these inputs.")
 
 
-def _kv_decode(spec: AttentionSpec, cache: KVCache, q, k, v,
-               options: Mapping[str, Any]) -> tuple[KVCache, jax.Array]:
+def _kv_decode(spec: AttentionSpec, cache: KVCache, q, k, v, options: Mapping[str, Any], *,
+               mask: jax.Array | None) -> tuple[KVCache, jax.Array]:
   """Writes T keys at ``index``; query t reads positions ``<= index + t``.
 
   The read takes the cached positions ``< index`` from the cache as it was
   and the T new ones from the chunk itself: the updated cache is then only
   carried, so XLA updates it in place instead of copying it every step.
+  ``mask`` (``[B|1, N|1, T, C]``, over the cache's positions) narrows both.
   """
   B, K, C, H = cache.key.shape
   T = q.shape[1]
@@ -418,18 +757,20 @@ def _kv_decode(spec: AttentionSpec, cache: KVCache, q, k, v,
   jax.debug.callback(_check_capacity, index, T, C)
   write = lambda c, x: lax.dynamic_update_slice_in_dim(  # noqa: E731
       c, x.swapaxes(1, 2).astype(c.dtype), index, axis=2)
-  old = jnp.arange(C)[None, :] < index  # [1, C]: positions cached before this chunk.
-  new = jnp.tril(jnp.ones((T, T), bool))  # [T, T]: causal within the chunk.
-  pattern = _pattern_rows(spec, C, index, T, options)
-  if pattern is not None:  # [.., T, C] rows of the pattern; the chunk's own columns too.
-    old = old & pattern
-    new = new & lax.dynamic_slice_in_dim(jnp.pad(pattern, [(0, 0)] * (pattern.ndim - 1) + [
-        (0, T)]), index, T, axis=-1)
+  old = (jnp.arange(C) < index)[None, None, None]  # [1, 1, 1, C]: cached before this chunk.
+  new = jnp.tril(jnp.ones((T, T), bool))[None, None]  # [1, 1, T, T]: causal within the chunk.
+  rows = _pattern_rows(spec, C, index, T, options)  # [1, N|1, T, C] or None
+  if mask is not None:
+    rows = mask if rows is None else rows & mask
+  if rows is not None:  # The chunk's own columns are rows' columns index .. index + T - 1.
+    old = old & rows
+    padded = jnp.pad(rows, [(0, 0)] * 3 + [(0, T)])
+    new = new & lax.dynamic_slice_in_dim(padded, index, T, axis=-1)
   scale = checks.resolve_scale(options.get("scale"), H)
   read = lambda: _cached_read(q, (cache.key, k), (cache.value, v), (old, new), scale)  # noqa: E731
-  if spec.name in _POSITION_INVARIANT and T > 1:  # A prompt from position 0 needs no cache read.
+  if spec.name in _POSITION_INVARIANT and T > 1 and mask is None:
     fresh = lambda: spec.function(q, k, v, is_causal=True, **options)  # noqa: E731
-    out = lax.cond(index == 0, fresh, read)
+    out = lax.cond(index == 0, fresh, read)  # A prompt from position 0 needs no cache read.
   else:
     out = read()
   return KVCache(write(cache.key, k), write(cache.value, v), index + T), out
@@ -441,31 +782,34 @@ def _cached_read(q: jax.Array, keys: tuple[jax.Array, jax.Array],
   """``softmax(q kᵀ·scale, mask) v`` over the cache and the new chunk, in float32.
 
   ``q [B, T, N, H]``; ``keys``/``values``: the head-major cache ``[B, K, C, H]``
-  and the chunk's own ``[B, T, K, H]``; ``masks``: ``[.., T, C]`` and
-  ``[.., T, T]`` (a leading N for per-head patterns). The cache is read where
-  it lies (a transposed copy would dominate a decode step); a row that sees
-  no key gives zeros.
+  and the chunk's own ``[B, T, K, H]``; ``masks``: ``[B|1, N|1, T, C]`` and
+  ``[B|1, N|1, T, T]``. The cache is read where it lies (a transposed copy
+  would dominate a decode step); a row that sees no key gives zeros.
   """
   B, T, N, H = q.shape
   K = keys[0].shape[1]
   G = N // K
-  qg = q.reshape(B, T, K, G, H)
   f32 = jnp.float32
 
-  def visible(mask):
-    return mask.reshape((K, G) + mask.shape[1:]) if mask.ndim == 3 else mask
+  def grouped(mask):  # [B|1, N|1, T, X] -> [B|1, K|1, G|1, T, X]
+    b, n = mask.shape[:2]
+    return mask.reshape((b, K, G) + mask.shape[2:] if n > 1 else (b, 1, 1) + mask.shape[2:])
 
+  qg = q.reshape(B, T, K, G, H)
   scores = (
-      jnp.einsum("btkgh,bkch->bkgtc", qg, keys[0], preferred_element_type=f32),
-      jnp.einsum("btkgh,bskh->bkgts", qg, keys[1], preferred_element_type=f32),
+      jnp.einsum("btkgh,bkch->bkgtc", qg.astype(keys[0].dtype), keys[0],
+                 preferred_element_type=f32),
+      jnp.einsum("btkgh,bskh->bkgts", qg, keys[1].astype(q.dtype), preferred_element_type=f32),
   )
-  scores = [jnp.where(visible(m), s * scale, -jnp.inf) for s, m in zip(scores, masks,
+  scores = [jnp.where(grouped(m), s * scale, -jnp.inf) for s, m in zip(scores, masks,
                                                                       strict=True)]
   m = jnp.maximum(*(jnp.max(s, axis=-1, keepdims=True) for s in scores))
   p = [jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)) for s in scores]
   # Batch dims first in the output: XLA:CPU then multiplies in place (3x faster here).
-  out = (jnp.einsum("bkgtc,bkch->bkgth", p[0], values[0], preferred_element_type=f32)
-         + jnp.einsum("bkgts,bskh->bkgth", p[1], values[1], preferred_element_type=f32))
+  out = (jnp.einsum("bkgtc,bkch->bkgth", p[0].astype(values[0].dtype), values[0],
+                    preferred_element_type=f32)
+         + jnp.einsum("bkgts,bskh->bkgth", p[1], values[1].astype(f32),
+                      preferred_element_type=f32))
   out = safe_divide(out, sum(jnp.sum(x, axis=-1, keepdims=True) for x in p))  # [B, K, G, T, H]
   return out.transpose(0, 3, 1, 2, 4).reshape(B, T, N, H).astype(q.dtype)
 
@@ -478,7 +822,8 @@ def _check_capacity(index: Any, T: int, C: int) -> None:
 
 def _pattern_rows(spec: AttentionSpec, C: int, index: jax.Array, T: int,
                   options: Mapping[str, Any]) -> jax.Array | None:
-  """Rows ``index .. index + T - 1`` of a sparse pattern on a sequence of the capacity C."""
+  """Rows ``index .. index + T - 1`` of a sparse pattern on a sequence of the capacity C:
+  ``[1, N|1, T, C]``, or None for a variant without a pattern."""
   if spec.dense_mask is None:
     return None
   if C > MAX_PATTERN_CAPACITY:
@@ -487,16 +832,24 @@ def _pattern_rows(spec: AttentionSpec, C: int, index: jax.Array, T: int,
                      "smaller cache, or 'local' (a ring buffer) for long sequences.")
   what = accepted(spec.dense_mask, spec.what_options(options))
   with jax.ensure_compile_time_eval():  # A static pattern, also inside a trace.
-    dense = jnp.asarray(spec.dense_mask(C, C, is_causal=True, **what))
-  return lax.dynamic_slice_in_dim(dense, index, T, axis=-2)
+    dense_ = jnp.asarray(spec.dense_mask(C, C, is_causal=True, **what))
+  dense_ = dense_.reshape((1,) * (4 - dense_.ndim) + dense_.shape)
+  return lax.dynamic_slice_in_dim(dense_, index, T, axis=-2)
 
 
 def _state_decode(spec: AttentionSpec, kind: str, cache: StateCache, q, k, v,
                   options: Mapping[str, Any]) -> tuple[StateCache, jax.Array]:
-  """Advances a streaming state by T positions: one step, a stateful pass, or a scan."""
+  """Advances a streaming state by T positions: one step, a stateful pass, or a scan.
+
+  A ring buffer holds keys and values in the cache's dtype: the chunk is
+  attended in that dtype and the output cast back to the inputs'.
+  """
   streaming = spec.streaming
   step_options = accepted(streaming.step, options)
   T = q.shape[1]
+  dtype = q.dtype
+  if kind == "window":
+    q, k, v = (x.astype(jax.tree.leaves(cache.state)[0].dtype) for x in (q, k, v))
 
   def steps(state):
     def body(state, qkv):
@@ -520,7 +873,7 @@ def _state_decode(spec: AttentionSpec, kind: str, cache: StateCache, q, k, v,
 
     state, out = lax.cond(cache.index == 0, fresh, steps, cache.state)
   state = cast_like(state, cache.state)
-  return StateCache(state, cache.index + T), out
+  return StateCache(state, cache.index + T), out.astype(dtype)
 
 
 def as_flax_attention_fn(fn: Callable[..., Any]) -> Callable[..., jax.Array]:

@@ -153,6 +153,11 @@ class AttentionSpec:
       equals this variant (``how_options`` are not passed). Benchmarks time
       the masked dense path against it.
     params: the arrays the variant owns (see :class:`ParamSpec`), or None.
+    forms_weights: whether the variant is softmax attention over a pattern,
+      so that its ``[B, N, T, S]`` weights can be formed: a layer then
+      honours a general ``mask`` (with the pattern), attention dropout and
+      ``sow_weights`` through the dense softmax path. False for variants
+      that never form them (flash's O(T) path, the recurrent families).
     weights: for kernel variants, ``weights(query, key, *, is_causal,
       key_value_seq_lengths, **options) -> ImpliedWeights`` (``how_options``
       are not passed): the unnormalised weights ``[B, N, T, S]`` the variant
@@ -197,6 +202,7 @@ class AttentionSpec:
   dense_mask: Callable[..., Any] | None = None
   weights: Callable[..., Any] | None = None
   params: ParamSpec | None = None
+  forms_weights: bool = False
 
   def __post_init__(self):
     extra = set(self.suite_implementations or ()) - set(self.implementations)

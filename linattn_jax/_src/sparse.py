@@ -712,7 +712,7 @@ def _spec(name: str, function: Callable[..., Any], pattern_options: dict[str, An
       name=name, function=function,
       reference=functools.partial(function, implementation="reference"),
       how_options=frozenset(how), implementations=IMPLEMENTATIONS, test_options=test,
-      dense_mask=dense_mask, **kw))
+      dense_mask=dense_mask, forms_weights=True, **kw))
 
 
 _spec("local", local_attention, {"window_size": (3, 2)},
