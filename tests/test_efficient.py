@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -205,14 +206,7 @@ def test_invalid_options_raise():
   q, k, v = make_qkv(Shape(B=2, T=4, S=4, N=2, K=1, H=3, D=2))
   with pytest.raises(ValueError, match="parallel.*is_causal"):
     la.efficient_attention(q, k, v, is_causal=True, implementation="parallel")
-  with pytest.raises(ValueError, match="is_causal=True"):
-    la.efficient_attention(q, k, v, return_state=True)
   _, state = la.efficient_attention(q, k, v, is_causal=True, return_state=True)
-  with pytest.raises(ValueError, match="is_causal=True"):
-    la.efficient_attention(q, k, v, initial_state=state)
-  with pytest.raises(ValueError, match="reference.*initial_state"):
-    la.efficient_attention(q, k, v, is_causal=True, implementation="reference",
-                           initial_state=state)
   with pytest.raises(ValueError, match=r"EfficientState.kv has shape \(2, 1, 3, 1\); "
                      r"expected \(2, 1, 3, 2\)"):
     la.efficient_attention(q, k, v, is_causal=True, initial_state=state._replace(
@@ -223,3 +217,19 @@ def test_invalid_options_raise():
     la.efficient_attention_step(state, q, k[:, 0], v[:, 0])
   with pytest.raises(ValueError, match="state"):
     la.efficient_attention_step(la.init_efficient_state(2, 1, 3, 5), q[:, 0], k[:, 0], v[:, 0])
+
+
+@pytest.mark.parametrize("implementation", ["reference", None])
+@pytest.mark.parametrize("name", ["linear_elu", "performer", "efficient", "heinsen"])
+def test_every_recurrent_variant_reads_an_initial_state_causal_or_not(name, implementation):
+  """One rule for the recurrent variants: a state holds earlier keys that every query sees."""
+  spec = la.get_spec(name)
+  q, k, v = make_qkv(Shape(B=2, T=4, S=4, N=2, K=1, H=3, D=2))
+  earlier_k, earlier_v = 0.5 * k[:, :3] + 1, v[:, :3] - 1
+  state = spec.streaming.summarize(earlier_k, earlier_v)
+  how = {} if implementation is None else {"implementation": implementation}
+  got, after = spec.function(q, k, v, initial_state=state, return_state=True, **how)
+  both_k, both_v = (jnp.concatenate(x, axis=1) for x in ((earlier_k, k), (earlier_v, v)))
+  want, want_state = spec.function(q, both_k, both_v, return_state=True)
+  chex.assert_trees_all_close(got, want, atol=1e-5)
+  chex.assert_trees_all_close(after, want_state, atol=1e-5)

@@ -277,11 +277,6 @@ def test_bad_options_raise():
   q, k, v = make_qkv(SHAPES[0])
   with pytest.raises(ValueError, match="chunk_size"):
     la.heinsen_attention(q, k, v, chunk_size=0)
-  with pytest.raises(ValueError, match="reference.*return_state"):
-    la.heinsen_attention(q, k, v, implementation="reference", return_state=True)
-  with pytest.raises(ValueError, match="reference.*initial_state"):
-    la.heinsen_attention(q, k, v, implementation="reference",
-                         initial_state=la.init_heinsen_state(2, 2, 3, 5))
   with pytest.raises(ValueError, match=r"initial_state HeinsenState.kv has shape \(2, 2, 3, 4\); "
                      r"expected \(2, 2, 3, 5\)"):
     la.heinsen_attention(q, k, v, initial_state=la.init_heinsen_state(2, 2, 3, 4))

@@ -11,6 +11,7 @@ and the judge must reject the result while accepting the unpatched one.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import itertools
 
@@ -23,8 +24,7 @@ from jax import lax
 
 import linattn_jax as la
 from linattn_jax._src import recurrence
-from linattn_jax._src.blocks import merge_blocks, pad_axis, split_blocks
-from linattn_jax._src.masks import causal
+from linattn_jax._src.blocks import merge_blocks
 
 DROPPED = 2  # Visible to every query from position 2 on.
 EPS = 1e-2  # Large enough that misplacing it moves outputs well past float32 noise.
@@ -33,42 +33,40 @@ EPS = 1e-2  # Large enough that misplacing it moves outputs well past float32 no
 def _dropped_key(featurize):
   """Bug: key ``DROPPED`` never reaches the sums (as if padded)."""
   def wrapped(*args, **kwargs):
-    fq, lq, fk, lk, v = featurize(*args, **kwargs)
-    return fq, lq, fk.at[:, :, DROPPED].set(0), lk.at[:, :, DROPPED].set(-jnp.inf), v
+    chunk = featurize(*args, **kwargs)
+    return chunk._replace(fk=chunk.fk.at[:, :, DROPPED].set(0),
+                          lk=chunk.lk.at[:, :, DROPPED].set(-jnp.inf))
   return wrapped
 
 
 def _eps_outside(finish):
   """Bug: ``num / den + eps`` (eps moved out of the normaliser)."""
-  def wrapped(read, num, den, eps):
-    return finish(read, num, den, 0.0) + eps
+  def wrapped(config, num, den):
+    return finish(dataclasses.replace(config, eps=0.0), num, den) + config.eps
   return wrapped
 
 
 def _eps_per_key(finish):
   """Bug: eps added to each of the S keys' weights inside the sum, not once to the sum."""
-  def wrapped(read, num, den, eps):
-    return finish(read, num, den, eps * SHAPES[0].S)
+  def wrapped(config, num, den):
+    return finish(dataclasses.replace(config, eps=config.eps * SHAPES[0].S), num, den)
   return wrapped
 
 
-def _late_state(causal_engine):
-  """Bug: each chunk reads the state as it was one chunk earlier (T == S only)."""
-  del causal_engine
+def _late_state(run_chunks):
+  """Bug: each chunk reads the state as it was one chunk earlier (T == S, causal only)."""
+  del run_chunks
 
-  def late(body, read, eps, carry, fq, lq, fk, lk, v, *, chunk_size):
-    del body
-    T = fq.shape[3]
-    C = min(chunk_size, T)
-    lk = pad_axis(lk, 2, C, -jnp.inf)
-    xs = (*(split_blocks(x, 3, C) for x in (fq, lq)), *(split_blocks(x, 2, C) for x in (fk, lk, v)))
+  def late(bodies, config, carry, chunk, *, is_causal, chunk_size):
+    assert is_causal
+    T = chunk.num_queries
 
     def step(carries, x):
       previous, current = carries
-      out = recurrence._exact_block(read, eps, previous, *x, causal(C))
-      return (current, recurrence.combine(current, recurrence.summarize(*x[2:]))), out
+      _, out = bodies.causal(config, previous, x)
+      return (current, bodies.absorb(config, current, x)), out
 
-    (_, carry), out = lax.scan(step, (carry, carry), xs)
+    (_, carry), out = lax.scan(step, (carry, carry), chunk.blocks(min(chunk_size, T)))
     return merge_blocks(out, 3, T), carry
   return late
 
@@ -77,7 +75,7 @@ BUGS = {
     "dropped_key": ("featurize", _dropped_key, (False, True)),
     "eps_outside_normaliser": ("_finish", _eps_outside, (False, True)),
     "eps_per_key": ("_finish", _eps_per_key, (False, True)),
-    "state_one_chunk_late": ("causal_pass", _late_state, (True,)),
+    "state_one_chunk_late": ("run_chunks", _late_state, (True,)),
 }
 CASES = [(name, bug, is_causal) for bug, (_, _, modes) in BUGS.items() for is_causal in modes
          for name in ("linear_elu", "random_fourier")]

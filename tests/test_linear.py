@@ -185,7 +185,7 @@ def test_errors_name_options_and_shapes():
   with pytest.raises(ValueError, match="init_linear_state: batch must be a positive int"):
     la.init_linear_state(0, 1, 4, 3)
   with pytest.raises(ValueError, match="init_local_state: value_dim must be a positive int"):
-    la.init_local_state(1, (2, 0), num_kv_heads=1, head_dim=4, value_dim=-2)
+    la.init_local_state(1, num_kv_heads=1, head_dim=4, value_dim=-2, window_size=(2, 0))
   with pytest.raises(ValueError, match="eps"):
     la.linear_attention(q, k, v, eps=-1.0)
   bad = la.init_linear_state(shape.B, shape.K, shape.H + 1, shape.D)

@@ -114,7 +114,7 @@ def test_block_sparse_per_head_layouts():
 def test_local_streaming_state_is_constant_in_position():
   shape = Shape(B=1, T=40, S=40, N=2, K=1, H=4, D=3)
   q, k, v = make_qkv(shape)
-  state = la.init_local_state(1, (5, 0), 1, 4, 3)
+  state = la.init_local_state(1, 1, 4, 3, window_size=(5, 0))
   step = jax.jit(la.local_attention_step)
   outs = []
   for t in range(shape.T):

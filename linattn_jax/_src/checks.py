@@ -294,7 +294,7 @@ def check_positive_int(value: Any, *, name: str, fn: str) -> int:
   return int(value)
 
 
-def positive_sizes(fn: str, **sizes: Any) -> tuple[int, ...]:
+def positive_sizes(*, fn: str, **sizes: Any) -> tuple[int, ...]:
   """``check_positive_int`` on each named size, in order: a state's ``batch``, heads, dims."""
   return tuple(check_positive_int(value, name=name, fn=fn) for name, value in sizes.items())
 
@@ -309,8 +309,8 @@ def check_choice(value: Any, *, name: str, choices: Sequence[Any], fn: str) -> A
 
 
 def check_implementation(implementation: str | None, *, choices: Sequence[str],
-                         is_causal: bool, fn: str,
-                         noncausal_only: Sequence[str] = ("parallel",)) -> str | None:
+                         is_causal: bool, noncausal_only: Sequence[str] = ("parallel",),
+                         fn: str) -> str | None:
   """Checks ``implementation`` (None: the caller's default) against ``choices``
   and the causal mode: a ``noncausal_only`` form with ``is_causal=True`` raises."""
   check_choice(implementation, name="implementation", choices=(None, *choices), fn=fn)
@@ -323,7 +323,7 @@ def check_implementation(implementation: str | None, *, choices: Sequence[str],
   return implementation
 
 
-def reject_unsupported(fn: str, implementation: str, **options: Any) -> None:
+def reject_unsupported(implementation: str, *, fn: str, **options: Any) -> None:
   """Raises for every option that is set but the implementation cannot honour."""
   for name, value in options.items():
     if value is not None and value is not False:

@@ -109,8 +109,9 @@ def init_efficient_state(
     >>> state.kv.shape, state.k_sum.shape, state.running_max.shape
     ((1, 2, 8, 4), (1, 2, 8), (1, 2, 8))
   """
-  B, K, H, D = checks.positive_sizes("init_efficient_state", batch=batch, num_kv_heads=num_kv_heads,
-                                     head_dim=head_dim, value_dim=value_dim)
+  B, K, H, D = checks.positive_sizes(
+      batch=batch, num_kv_heads=num_kv_heads, head_dim=head_dim, value_dim=value_dim,
+      fn="init_efficient_state")
   return EfficientState(*recurrence.empty_carry(B, K, H, H, D, dtype))
 
 
@@ -123,6 +124,9 @@ class _Softmaxes:
     if is_query:
       return jax.nn.softmax(x, axis=-1), None
     return jnp.ones(x.shape[:-1] + (1,), x.dtype), x
+
+
+_FAMILY = recurrence.Family(_Softmaxes(), "per_feature", EfficientState, IMPLEMENTATIONS)
 
 
 # Reference -------------------------------------------------------------------
@@ -207,7 +211,7 @@ def efficient_attention(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     initial_state: EfficientState | None = None,
     return_state: bool = False,
-) -> Any:
+) -> jax.Array | tuple[jax.Array, EfficientState]:
   """Efficient attention: ``softmax_H(Q) · (softmax_S(K)ᵀ V)`` in linear time.
 
   ``out[b, t, n] = Σ_h softmax_h(q[b, t, n])_h · Σ_j softmax_j(k[b, :, n // G, h])_j
@@ -233,9 +237,9 @@ def efficient_attention(
       ``"chunked"`` compute the non-causal form like ``"parallel"``.
     chunk_size: chunk length C of the causal forms (static).
     initial_state: an :class:`EfficientState` summarising keys before this
-      call (causal only; not with ``"reference"``). Unbatched calls take an
-      unbatched state.
-    return_state: also return the state after this call's keys (causal only).
+      call, seen by every query, causal or not (the rule of every recurrent
+      variant). Unbatched calls take an unbatched state.
+    return_state: also return the state after this call's keys.
 
   Returns:
     ``[B, T, N, D]`` (or ``[T, N, D]``) in the input dtype, rows with no
@@ -243,9 +247,8 @@ def efficient_attention(
 
   Raises:
     ValueError: on bad shapes, dtypes, lengths or chunk size, an unknown
-      implementation, ``is_causal=True`` with ``"parallel"``, state options
-      without ``is_causal`` or with ``"reference"``, or a state whose shapes
-      do not match.
+      implementation, ``is_causal=True`` with ``"parallel"``, or a state
+      whose shapes do not match.
 
   Examples:
     >>> q = jnp.ones((2, 100, 8, 32)); kv = jnp.ones((2, 100, 2, 32))
@@ -269,22 +272,9 @@ def efficient_attention(
   fn = "efficient_attention"  # is_causal is a static bool: checked by checks.compiled.
   checks.check_choice(
       implementation, name="implementation", choices=(None,) + IMPLEMENTATIONS, fn=fn)
-  if not is_causal and (initial_state is not None or return_state):
-    raise ValueError(
-        f"{fn}: initial_state and return_state need is_causal=True (the state "
-        "summarises a causal prefix)."
-    )
-  if implementation == "reference":
-    checks.reject_unsupported(
-        fn, implementation, initial_state=initial_state, return_state=return_state)
-    p = checks.prepare_qkv(query, key, value, fn=fn)
-    lengths = checks.check_lengths(
-        p, fn=fn, key_value_seq_lengths=key_value_seq_lengths)["key_value_seq_lengths"]
-    return p.restore(_reference(p, is_causal, lengths))
   out, state = recurrence.recurrent_attention(
-      query, key, value, featurizer=_Softmaxes(), params=(), read="per_feature",
-      state_cls=EfficientState, is_causal=is_causal, key_value_seq_lengths=key_value_seq_lengths,
-      eps=0.0, implementation=implementation, implementations=IMPLEMENTATIONS,
+      _FAMILY, query, key, value, is_causal=is_causal,
+      key_value_seq_lengths=key_value_seq_lengths, eps=0.0, implementation=implementation,
       chunk_size=chunk_size, initial_state=initial_state, fn=fn)
   return (out, state) if return_state else out
 

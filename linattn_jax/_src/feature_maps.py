@@ -188,7 +188,8 @@ def exp(x: jax.Array, *, is_query: bool = False) -> jax.Array:
   return jnp.exp(x)
 
 
-def _check_head_dim(fn: str, what: str, shape: tuple[int, ...], axis: int, x: jax.Array) -> None:
+def _check_head_dim(x: jax.Array, shape: tuple[int, ...], axis: int, *, what: str,
+                    fn: str) -> None:
   if shape[axis] != x.shape[-1]:
     raise ValueError(
         f"{fn}: {what} = {tuple(shape)} does not match inputs x of shape "
@@ -224,7 +225,7 @@ class Projected:
   bias: jax.Array  # [M]
 
   def __call__(self, x: jax.Array, *, is_query: bool = False) -> jax.Array:
-    _check_head_dim("projected", "weight [H, M]", self.weight.shape, 0, x)
+    _check_head_dim(x, self.weight.shape, 0, what="weight [H, M]", fn="projected")
     bias = jnp.reshape(self.bias.astype(x.dtype), (1,) * (x.ndim - 1) + self.bias.shape)
     return elu_plus_one(x @ self.weight.astype(x.dtype) + bias)
 
@@ -273,10 +274,14 @@ def projected(weight: Any, bias: Any) -> Projected:
 # Random features for the softmax kernel ---------------------------------------
 
 
-def _check_projection(fn: str, projection: Any) -> jax.Array:
+def check_projection(projection: Any, *, query_shape: tuple[int, ...] | None = None,
+                     fn: str) -> jax.Array:
+  """``projection`` as an ``[M, H]`` array (H the last axis of ``query_shape`` when given)."""
   projection = jnp.asarray(projection)
-  if projection.ndim != 2:
-    raise ValueError(f"{fn}: projection must be [M, H]; got shape {projection.shape}.")
+  H = None if query_shape is None else query_shape[-1]
+  if projection.ndim != 2 or H not in (None, projection.shape[1]):
+    want = "" if H is None else f" with H={H} (the last axis of query {tuple(query_shape)})"
+    raise ValueError(f"{fn}: projection must be [M, H]{want}; got {projection.shape}.")
   return projection
 
 
@@ -289,7 +294,7 @@ class _RandomFeatures:
 
   def _projected(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``(W x̂, ‖x̂‖² / 2)`` in the accumulation dtype: ``[..., M]``, ``[...]``."""
-    _check_head_dim(self.name, "projection [M, H]", self.projection.shape, 1, x)
+    _check_head_dim(x, self.projection.shape, 1, what="projection [M, H]", fn=self.name)
     acc = accumulation_dtype(x.dtype)
     x_hat = x.astype(acc) * x.shape[-1] ** -0.25
     w_x = jnp.einsum("...h,mh->...m", x_hat, self.projection.astype(acc))
@@ -408,7 +413,7 @@ def favor_plus(projection: Any) -> FavorPlus:
   References:
     Choromanski et al., "Rethinking Attention with Performers", 2021, Lemma 1.
   """
-  return FavorPlus(_check_projection("favor_plus", projection))
+  return FavorPlus(check_projection(projection, fn="favor_plus"))
 
 
 def random_fourier(projection: Any) -> RandomFourier:
@@ -442,7 +447,7 @@ def random_fourier(projection: Any) -> RandomFourier:
     Rahimi & Recht, "Random Features for Large-Scale Kernel Machines", 2007;
     Choromanski et al., "Rethinking Attention with Performers", 2021, eq. (5).
   """
-  return RandomFourier(_check_projection("random_fourier", projection))
+  return RandomFourier(check_projection(projection, fn="random_fourier"))
 
 
 def gaussian_random_projection(

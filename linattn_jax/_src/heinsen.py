@@ -51,8 +51,7 @@ from jax.typing import ArrayLike
 
 from linattn_jax._src import checks, recurrence
 from linattn_jax._src import masks as masks_lib
-from linattn_jax._src.blocks import merge_blocks, pad_axis, split_blocks
-from linattn_jax._src.online_softmax import exponent_shift
+from linattn_jax._src.online_softmax import exponent_shift, logaddexp, logsumexp
 from linattn_jax._src.recurrence import DEFAULT_PER_FEATURE_CHUNK_SIZE as DEFAULT_CHUNK_SIZE
 from linattn_jax._src.registry import AttentionSpec, StreamingSpec, register_attention
 
@@ -100,147 +99,61 @@ class _Exp:
     return jnp.ones(x.shape[:-1] + (1,), x.dtype), x
 
 
-# NaN-free log-space primitives ------------------------------------------------------------
+_FAMILY = recurrence.Family(_Exp(), "kernel", HeinsenState, IMPLEMENTATIONS)
 
 
-def _safe_log(x: jax.Array) -> jax.Array:
-  """``log x`` for ``x > 0``, ``-inf`` elsewhere, with a zero (never NaN) gradient there."""
-  positive = x > 0
-  return jnp.where(positive, jnp.log(jnp.where(positive, x, 1.0)), -jnp.inf)
+# The log-value path: its own bodies on the core's chunk driver ---------------------------
+# The carry is log S [B, K, H, E]; a chunk's v holds the log-values [log v | log 1] (E = D + 1,
+# the last column accumulates the normaliser) and lk the keys (-inf where hidden).
 
 
-def _logsumexp(x: jax.Array, axis: int) -> jax.Array:
-  """``log Σ exp(x)`` over ``axis``; ``-inf`` (zero gradient) when every entry is ``-inf``."""
-  m = lax.stop_gradient(exponent_shift(jnp.max(x, axis=axis, keepdims=True)))
-  return _safe_log(jnp.sum(jnp.exp(x - m), axis=axis)) + jnp.squeeze(m, axis)
+def _log_terms(chunk: recurrence.Chunk) -> jax.Array:
+  """``k_jh + log u_je`` for each key: ``[B, K, C, H, E]``."""
+  return chunk.lk[..., :, None] + chunk.v[..., None, :]
 
 
-def _logaddexp(a: jax.Array, b: jax.Array) -> jax.Array:
-  """``log(exp(a) + exp(b))``, NaN-free for ``a = b = -inf``."""
-  m = lax.stop_gradient(exponent_shift(jnp.maximum(a, b)))
-  return _safe_log(jnp.exp(a - m) + jnp.exp(b - m)) + m
+def _log_read(config, log_states: jax.Array, chunk: recurrence.Chunk) -> jax.Array:
+  """``logsumexp_h(q_h + log S_he)`` ``[B, K, G, C, E]`` from one state ``[B, K, H, E]`` or one
+  per query ``[B, K, C, H, E]``."""
+  del config
+  if log_states.ndim == 4:
+    log_states = log_states[:, :, None]
+  return logsumexp(chunk.lq[..., None] + log_states[:, :, None], axis=-2)
 
 
-def _cumlogsumexp(x: jax.Array, axis: int) -> jax.Array:
-  """Log-cumulative-sum-exp; entry i combines entries ``<= i`` only."""
-  return lax.associative_scan(_logaddexp, x, axis=axis)
+def _log_absorb(config, log_state: jax.Array, chunk: recurrence.Chunk) -> jax.Array:
+  """``log S <- log(S + Σ_j exp(k_j) u_j)``."""
+  del config
+  return logaddexp(log_state, logsumexp(_log_terms(chunk), axis=2))
 
 
-# Chunk bodies -------------------------------------------------------------------------------
+def _log_causal(config, log_state: jax.Array, chunk: recurrence.Chunk):
+  """C aligned queries and keys: per-position states (a cumulative log-sum-exp), each query
+  reads its own."""
+  prefix = lax.associative_scan(logaddexp, _log_terms(chunk), axis=2)
+  prefix = logaddexp(log_state[:, :, None], prefix)  # [B, K, C, H, E]
+  return prefix[:, :, -1], _log_read(config, prefix, chunk)
 
 
-def _key_terms(k: jax.Array, log_v: jax.Array) -> jax.Array:
-  """``k_jh + log u_je`` for each key: ``[B, C, K, H]``, ``[B, C, K, E]`` -> ``[B, C, K, H, E]``."""
-  return k[..., :, None] + log_v[..., None, :]
-
-
-def _read(states: jax.Array, q: jax.Array) -> jax.Array:
-  """``logsumexp_h(q_h + log S_he)``: ``[B, C, K, G, E]``.
-
-  ``states`` is ``[B, C|1, K, H, E]`` (one per query, or one shared), ``q`` ``[B, C, K, G, H]``.
-  """
-  return _logsumexp(q[..., None] + states[:, :, :, None], axis=-2)
-
-
-def _fold_chunk(state, chunk):
-  """Adds C keys to the state: ``log S <- log(S + Σ_j exp(k_j) u_j)``."""
-  k, log_v = chunk
-  return _logaddexp(state, _logsumexp(_key_terms(k, log_v), axis=1)), None
-
-
-def _read_chunk(state, chunk):
-  """C queries read the (fixed) state."""
-  (q,) = chunk
-  return state, _read(state[:, None], q)
-
-
-def _causal_chunk(state, chunk):
-  """C aligned queries and keys: per-position states, each query reads its own."""
-  q, k, log_v = chunk
-  prefix = _logaddexp(state[:, None], _cumlogsumexp(_key_terms(k, log_v), axis=1))
-  return prefix[:, -1], _read(prefix, q)
-
-
-def _scan_chunks(body, state, xs, length: int, chunk: int, fills):
-  """Runs ``body`` over time chunks of the ``[B, L, ...]`` arrays ``xs``.
-
-  Each array is padded along L with its ``fills`` entry, cut into ``ceil(L / chunk)`` chunks
-  and scanned with ``body`` under ``jax.checkpoint`` (the backward pass stores one state per
-  chunk and recomputes the rest). A single chunk is processed directly.
-  Returns the final state and the per-chunk outputs merged back to ``[B, L, ...]``.
-  """
-  chunk = min(chunk, length)
-  blocks = tuple(split_blocks(pad_axis(x, 1, chunk, fill), 1, chunk)
-                 for x, fill in zip(xs, fills, strict=True))
-  if blocks[0].shape[0] == 1:
-    state, out = body(state, tuple(b[0] for b in blocks))
-    out = None if out is None else out[None]
-  else:
-    state, out = lax.scan(jax.checkpoint(body), state, blocks)
-  return state, None if out is None else merge_blocks(out, 1, length)
-
-
-def _fold(state, k, log_v, chunk: int):
-  if k.shape[1] == 0:
-    return state
-  return _scan_chunks(_fold_chunk, state, (k, log_v), k.shape[1], chunk, (0.0, -jnp.inf))[0]
-
-
-def _read_all(state, q, chunk: int):
-  return _scan_chunks(_read_chunk, state, (q,), q.shape[1], chunk, (0.0,))[1]
-
-
-def _causal_aligned(state, q, k, log_v, chunk: int):
-  """T == S causal: query t sees keys ``<= t`` and the initial state."""
-  state, log_num = _scan_chunks(
-      _causal_chunk, state, (q, k, log_v), q.shape[1], chunk, (0.0, 0.0, -jnp.inf))
-  return log_num, state
-
-
-def _log_numerators(q, k, log_v, state, *, is_causal: bool, chunk: int):
-  """``log Σ_visible j Σ_h exp(q_th + k_jh) u_je`` ``[B, T, K, G, E]`` and the final state.
-
-  Bottom-right alignment reduces every causal call to the T == S case: for S > T the first
-  S - T keys are folded into the state (every query sees them); for T > S the first T - S
-  queries see only the initial state.
-  """
-  T, S = q.shape[1], k.shape[1]
-  if not is_causal:
-    state = _fold(state, k, log_v, chunk)
-    return _read_all(state, q, chunk), state
-  offset = S - T
-  if offset >= 0:
-    state = _fold(state, k[:, :offset], log_v[:, :offset], chunk)
-    return _causal_aligned(state, q, k[:, offset:], log_v[:, offset:], chunk)
-  early = _read_all(state, q[:, :-offset], chunk)
-  log_num, state = _causal_aligned(state, q[:, -offset:], k, log_v, chunk)
-  return jnp.concatenate([early, log_num], axis=1), state
-
-
-# Log-value path -------------------------------------------------------------------------
-
-
-def _key_mask(S: int, kv_len: jax.Array | None) -> jax.Array:
-  """Valid keys ``[B|1, S]``."""
-  return masks_lib.length_predicate(jnp.arange(S), kv_len)
+_LOG_BODIES = recurrence.Bodies(_log_causal, _log_absorb, _log_read)
 
 
 @functools.partial(jax.jit, static_argnames=("is_causal", "chunk"))
 def _log_space_attention(query, key, log_value, kv_len, *, is_causal: bool, chunk: int):
   """Log-outputs ``[B, T, N, D]`` from validated ``[B, T, N, H]`` / ``[B, S, K, H]`` /
-  ``[B, S, K, D]`` arrays: log-numerators of the streams ``[log v | log 1]`` (E = D + 1,
-  the last column accumulates the normaliser), minus the log-normaliser."""
-  acc = checks.accumulation_dtype(query.dtype)
-  B, T, N, H = query.shape
-  _, S, K, D = log_value.shape
-  q, k, log_v = (x.astype(acc) for x in (query, key, log_value))
-  log_u = jnp.concatenate([log_v, jnp.zeros_like(log_v[..., :1])], axis=-1)
-  log_u = jnp.where(_key_mask(S, kv_len)[:, :, None, None], log_u, -jnp.inf)
-  q = q.reshape(B, T, K, N // K, H)  # head n reads kv head n // G.
-  empty = jnp.full((B, K, H, D + 1), -jnp.inf, acc)  # log 0
-  log_num, _ = _log_numerators(q, k, log_u, empty, is_causal=is_causal, chunk=chunk)
+  ``[B, S, K, D]`` arrays: log-numerators of the streams ``[log v | log 1]``, minus the
+  log-normaliser."""
+  p = checks.prepare_qkv(query, key, log_value, fn="log_heinsen_attention")
+  B, T, _, N, K, H, D = p.dims
+  dtype = checks.accumulation_dtype(query.dtype)
+  inputs = recurrence.featurize(p, functools.partial(_Exp(), ()), kv_len, dtype,
+                                fn="log_heinsen_attention")
+  inputs = inputs._replace(v=jnp.concatenate([inputs.v, jnp.zeros_like(inputs.v[..., :1])], -1))
+  empty = jnp.full((B, K, H, D + 1), -jnp.inf, dtype)  # log 0
+  log_num, _ = recurrence.run_chunks(_LOG_BODIES, None, empty, inputs, is_causal=is_causal,
+                                     chunk_size=chunk)  # [B, K, G, T, E]
   out = log_num[..., :D] - exponent_shift(log_num[..., D:])
-  return out.reshape(B, T, N, D).astype(query.dtype)
+  return out.transpose(0, 3, 1, 2, 4).reshape(B, T, N, D).astype(query.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("is_causal", "log_space"))
@@ -256,14 +169,14 @@ def _reference(query, key, value, kv_len, *, is_causal: bool, log_space: bool):
   _, S, K, _ = key.shape
   q = query.astype(acc)
   k, v = (jnp.repeat(x.astype(acc), N // K, axis=2) for x in (key, value))  # [B, S, N, ·]
-  logits = _logsumexp(q[:, :, None] + k[:, None], axis=-1)  # [B, T, S, N]
-  valid = _key_mask(S, kv_len)[:, None, :]  # [B|1, 1, S]
+  logits = logsumexp(q[:, :, None] + k[:, None], axis=-1)  # [B, T, S, N]
+  valid = masks_lib.length_predicate(jnp.arange(S), kv_len)[:, None, :]  # [B|1, 1, S]
   if is_causal:
     valid = valid & masks_lib.causal(T, S)[None]
   logits = jnp.where(valid[..., None], logits, -jnp.inf)
-  log_w = logits - exponent_shift(_logsumexp(logits, axis=2))[:, :, None]
+  log_w = logits - exponent_shift(logsumexp(logits, axis=2))[:, :, None]
   if log_space:
-    out = _logsumexp(log_w[..., None] + v[:, None], axis=2)
+    out = logsumexp(log_w[..., None] + v[:, None], axis=2)
   else:
     out = jnp.einsum("btsn,bsnd->btnd", jnp.exp(log_w), v)
   return out.astype(query.dtype)
@@ -354,9 +267,9 @@ def heinsen_attention(
       first S - T keys are seen by every query, for T > S the first T - S queries see only
       ``initial_state``).
     key_value_seq_lengths: optional ``[B]`` ints; keys at or past it are ignored.
-    implementation: ``"reference"`` (explicit log-space weights, O(T·S·H); no state
-      passing), ``"parallel"`` (one summary of all keys; causal: the prefix states of every
-      position at once by ``lax.associative_scan``, ``[T, H, D]`` per kv head),
+    implementation: ``"reference"`` (explicit weights, O(T·S·H)), ``"parallel"`` (one
+      summary of all keys; causal: the prefix states of every position at once by
+      ``lax.associative_scan``, ``[T, H, D]`` per kv head),
       ``"scan"`` (token recurrence), ``"associative_scan"`` (per chunk), ``"chunked"``
       (chunks of ``chunk_size``: masked ``[C, C]`` weights within, the state across; one
       state per chunk kept for the backward pass), or None: ``"chunked"`` when causal,
@@ -372,8 +285,7 @@ def heinsen_attention(
 
   Raises:
     ValueError: on bad shapes, dtypes or lengths, an unknown implementation, a bad
-      ``chunk_size``, a state that is not a matching :class:`HeinsenState`, or state
-      passing with ``"reference"``.
+      ``chunk_size``, or a state that is not a matching :class:`HeinsenState`.
 
   Examples:
     >>> q = jnp.ones((2, 16, 8, 32)); k = jnp.ones((2, 16, 2, 32)); v = jnp.ones((2, 16, 2, 48))
@@ -394,19 +306,13 @@ def heinsen_attention(
   fn = "heinsen_attention"
   checks.check_choice(
       implementation, name="implementation", choices=(None,) + IMPLEMENTATIONS, fn=fn)
-  if implementation == "reference":
-    checks.reject_unsupported(fn, "reference", initial_state=initial_state,
-                              return_state=return_state)
-    return _oracle(query, key, value, fn=fn, log_space=False, is_causal=is_causal,
-                   key_value_seq_lengths=key_value_seq_lengths)
   if implementation == "parallel" and is_causal:  # Every position's prefix state at once.
     T = jnp.shape(query)[-3] if jnp.ndim(query) >= 3 else 1  # Bad ranks are named later.
     implementation, chunk_size = "associative_scan", max(T, 1)
   out, state = recurrence.recurrent_attention(
-      query, key, value, featurizer=_Exp(), params=(), read="kernel", state_cls=HeinsenState,
-      is_causal=is_causal, key_value_seq_lengths=key_value_seq_lengths, eps=0.0,
-      implementation=implementation, implementations=IMPLEMENTATIONS, chunk_size=chunk_size,
-      initial_state=initial_state, fn=fn)
+      _FAMILY, query, key, value, is_causal=is_causal,
+      key_value_seq_lengths=key_value_seq_lengths, eps=0.0, implementation=implementation,
+      chunk_size=chunk_size, initial_state=initial_state, fn=fn)
   return (out, state) if return_state else out
 
 
@@ -502,8 +408,9 @@ def init_heinsen_state(
     >>> state.kv.shape, state.k_sum.shape, state.running_max.shape
     ((1, 2, 8, 3), (1, 2, 8), (1, 2, 8))
   """
-  B, K, H, D = checks.positive_sizes("init_heinsen_state", batch=batch, num_kv_heads=num_kv_heads,
-                                     head_dim=head_dim, value_dim=value_dim)
+  B, K, H, D = checks.positive_sizes(
+      batch=batch, num_kv_heads=num_kv_heads, head_dim=head_dim, value_dim=value_dim,
+      fn="init_heinsen_state")
   return HeinsenState(*recurrence.empty_carry(B, K, H, H, D, dtype))
 
 

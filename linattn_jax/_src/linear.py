@@ -119,14 +119,14 @@ def kernel_weights(query: Any, key: Any, *, featurizer: recurrence.Featurizer, p
   p = checks.prepare_qkv(query, key, key, fn=fn)  # Values play no part in the weights.
   (lengths,) = checks.check_lengths(p, fn=fn, key_value_seq_lengths=key_value_seq_lengths).values()
   dtype = checks.accumulation_dtype(p.query.dtype)
-  fq, lq, fk, lk, _ = recurrence.featurize(
-      p, functools.partial(featurizer, params), lengths, dtype, fn)
-  visible = causal(fq.shape[3], fk.shape[2]) if is_causal else None
+  chunk = recurrence.featurize(p, functools.partial(featurizer, params), lengths, dtype, fn=fn)
   B, T, S, N, K, _, _ = p.dims
-  empty = recurrence.empty_carry(B, K, fk.shape[-1], lk.shape[-1], 1, dtype)
-  w, _ = recurrence.exact_weights("kernel", empty, fq, lq, fk, lk, visible)
+  visible = causal(T, S) if is_causal else None
+  empty = recurrence.empty_carry(B, K, chunk.fk.shape[-1], chunk.lk.shape[-1], 1, dtype)
+  config = recurrence.ReadConfig("kernel")
+  w, _ = recurrence.exact_weights(config, empty, chunk, visible)
   magnitudes, _ = recurrence.exact_weights(
-      "kernel", empty, jnp.abs(fq), lq, jnp.abs(fk), lk, visible)
+      config, empty, chunk._replace(fq=jnp.abs(chunk.fq), fk=jnp.abs(chunk.fk)), visible)
   w, magnitudes = (x.reshape(B, N, T, S) for x in (w, magnitudes))  # Head n = k·G + g.
   out = ImpliedWeights(w, magnitudes, jnp.sum(w, axis=-1) + eps)
   return out if p.batched else jax.tree.map(lambda x: x[0], out)
@@ -248,12 +248,11 @@ def _linear_attention(query, key, value, *, feature_map, is_causal, key_value_se
                       implementation, chunk_size, initial_state, return_state, fn: str):
   """:func:`linear_attention` and its reference, with errors naming ``fn``."""
   featurizer, arrays = _Plain.split(feature_map)
+  family = recurrence.Family(featurizer, "kernel", LinearState, IMPLEMENTATIONS)
   out, state = recurrence.recurrent_attention(
-      query, key, value, featurizer=featurizer, params=arrays, read="kernel",
-      state_cls=LinearState, is_causal=is_causal, key_value_seq_lengths=key_value_seq_lengths,
-      eps=eps, implementation=implementation, implementations=IMPLEMENTATIONS,
-      chunk_size=chunk_size, initial_state=initial_state, fn=fn,
-  )
+      family, query, key, value, arrays, is_causal=is_causal,
+      key_value_seq_lengths=key_value_seq_lengths, eps=eps, implementation=implementation,
+      chunk_size=chunk_size, initial_state=initial_state, fn=fn)
   return (out, state) if return_state else out
 
 
@@ -344,8 +343,9 @@ def init_linear_state(
     >>> state.kv.shape, state.k_sum.shape, bool(jnp.all(state.kv == 0))
     ((2, 1, 4, 3), (2, 1, 4), True)
   """
-  B, K, M, D = checks.positive_sizes("init_linear_state", batch=batch, num_kv_heads=num_kv_heads,
-                                     feature_dim=feature_dim, value_dim=value_dim)
+  B, K, M, D = checks.positive_sizes(
+      batch=batch, num_kv_heads=num_kv_heads, feature_dim=feature_dim, value_dim=value_dim,
+      fn="init_linear_state")
   return LinearState(jnp.zeros((B, K, M, D), dtype), jnp.zeros((B, K, M), dtype))
 
 
@@ -429,41 +429,9 @@ def _summarize(key, value, *, feature_map: FeatureMap = elu_plus_one,
                                    key_value_seq_lengths=key_value_seq_lengths)
 
 
-def _register(name: str, feature_map: FeatureMap,
-              suite_implementations: tuple[str, ...] | None = None) -> None:
-  bind = functools.partial
-  register_attention(AttentionSpec(
-      name=name,
-      function=bind(linear_attention, feature_map=feature_map),
-      reference=bind(linear_attention_reference, feature_map=feature_map),
-      how_options=frozenset({"implementation", "chunk_size"}),
-      implementations=IMPLEMENTATIONS,
-      suite_implementations=suite_implementations,
-      noncausal_only=frozenset({"parallel"}),
-      test_options={"chunk_size": 4},
-      streaming=StreamingSpec(init=bind(_init_like, feature_map=feature_map),
-                              step=bind(linear_attention_step, feature_map=feature_map),
-                              summarize=bind(_summarize, feature_map=feature_map),
-                              combine=recurrence.combine_states),
-      weights=bind(_weights, feature_map=feature_map),
-  ))
-
-
-# The engine's every form runs in the shared suite through "performer", whose
-# running-max stabiliser is the general case (here the log-scales are 0);
-# these entries run its non-causal and default causal forms with their maps
-# (ReLU: zero features, eps-only denominators).
-_register("linear_elu", elu_plus_one, suite_implementations=("parallel", "chunked"))
-_register("linear_relu", relu, suite_implementations=("parallel", "chunked"))
-
-
-# "linear_learned": the learnable map elu(x W + b) + 1, its weights as array options ----
-
-
 def _init_learned(rng: jax.Array, head_dim: int, *,
                   num_features: int | None = None) -> dict[str, jax.Array]:
-  """The registry's ``params.init``: ``feature_weight [H, M] ~ N(0, 1/H)``,
-  ``feature_bias [M] = 0``.
+  """``linear_learned``'s arrays: ``feature_weight [H, M] ~ N(0, 1/H)``, ``feature_bias [M] = 0``.
 
   M defaults to H; with this scale ``x W`` has the variance of one entry of x.
   """
@@ -473,93 +441,31 @@ def _init_learned(rng: jax.Array, head_dim: int, *,
   return {"feature_weight": weight, "feature_bias": jnp.zeros((M,), jnp.float32)}
 
 
-def _learned_map(rng: Any, num_features: int | None, weight: Any, bias: Any, head_dim: int,
-                 fn: str) -> FeatureMap:
-  """``projected(feature_weight, feature_bias)``, or, when both are None, one drawn
-  from ``rng`` (None: seed 0)."""
-  if weight is None and bias is None:
-    arrays = _init_learned(checks.prng_key(rng), head_dim, num_features=num_features)
-    return projected(*arrays.values())
-  if weight is None or bias is None or rng is not None:
-    raise ValueError(f"{fn}: give both `feature_weight` and `feature_bias`, or neither (then "
-                     "they are drawn from `rng`); not `rng` with them.")
-  if num_features is not None and jnp.shape(weight)[-1:] != (num_features,):
-    raise ValueError(f"{fn}: num_features={num_features} disagrees with feature_weight "
-                     f"{jnp.shape(weight)} ([H, M]); give one of them.")
-  return projected(weight, bias)
+def _register(name: str, feature_map: FeatureMap | None = None,
+              params: ParamSpec | None = None) -> None:
+  """One entry: a fixed ``feature_map``, or one built from ``params``' arrays."""
+  def bind(fn, head_dim_at=0):
+    if params is not None:
+      return params.bind(fn, head_dim_at=head_dim_at)
+    return functools.partial(fn, feature_map=feature_map)
+
+  register_attention(AttentionSpec(
+      name=name,
+      function=bind(linear_attention),
+      reference=bind(linear_attention_reference),
+      how_options=frozenset({"implementation", "chunk_size"}),
+      implementations=IMPLEMENTATIONS,
+      noncausal_only=frozenset({"parallel"}),
+      streaming=StreamingSpec(init=bind(_init_like), step=bind(linear_attention_step, 1),
+                              summarize=bind(_summarize), combine=recurrence.combine_states),
+      weights=bind(_weights),
+      params=params,
+  ))
 
 
-def _linear_learned(
-    query: ArrayLike, key: ArrayLike, value: ArrayLike, *, feature_weight: Any = None,
-    feature_bias: Any = None, rng: Any = None, num_features: int | None = None,
-    is_causal: bool = False, key_value_seq_lengths: Any = None, eps: float = DEFAULT_EPS,
-    implementation: LinearImplementation | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE,
-    initial_state: LinearState | None = None, return_state: bool = False,
-):
-  """:func:`linear_attention` with ``feature_map=projected(feature_weight, feature_bias)``."""
-  phi = _learned_map(rng, num_features, feature_weight, feature_bias, jnp.shape(query)[-1],
-                     "linear_attention")
-  return linear_attention(query, key, value, feature_map=phi, is_causal=is_causal,
-                          key_value_seq_lengths=key_value_seq_lengths, eps=eps,
-                          implementation=implementation, chunk_size=chunk_size,
-                          initial_state=initial_state, return_state=return_state)
-
-
-def _linear_learned_reference(query, key, value, *, feature_weight: Any = None,
-                              feature_bias: Any = None, rng: Any = None,
-                              num_features: int | None = None, is_causal: bool = False,
-                              key_value_seq_lengths: Any = None, eps: float = DEFAULT_EPS):
-  phi = _learned_map(rng, num_features, feature_weight, feature_bias, jnp.shape(query)[-1],
-                     "linear_attention_reference")
-  return linear_attention_reference(query, key, value, feature_map=phi, is_causal=is_causal,
-                                    key_value_seq_lengths=key_value_seq_lengths, eps=eps)
-
-
-def _learned_init_like(query, key, value, *, feature_weight: Any = None,
-                       feature_bias: Any = None, rng: Any = None,
-                       num_features: int | None = None) -> LinearState:
-  phi = _learned_map(rng, num_features, feature_weight, feature_bias, jnp.shape(query)[-1],
-                     "init_linear_state")
-  return _init_like(query, key, value, feature_map=phi)
-
-
-def _learned_step(state, query, key, value, *, feature_weight: Any = None,
-                  feature_bias: Any = None, rng: Any = None, num_features: int | None = None,
-                  eps: float = DEFAULT_EPS):
-  phi = _learned_map(rng, num_features, feature_weight, feature_bias, jnp.shape(query)[-1],
-                     "linear_attention_step")
-  return linear_attention_step(state, query, key, value, feature_map=phi, eps=eps)
-
-
-def _learned_summarize(key, value, *, feature_weight: Any = None, feature_bias: Any = None,
-                       rng: Any = None, num_features: int | None = None,
-                       key_value_seq_lengths: Any = None):
-  phi = _learned_map(rng, num_features, feature_weight, feature_bias, jnp.shape(key)[-1],
-                     "linear_attention")
-  return _summarize(key, value, feature_map=phi, key_value_seq_lengths=key_value_seq_lengths)
-
-
-def _learned_weights(query, key, *, feature_weight: Any = None, feature_bias: Any = None,
-                     rng: Any = None, num_features: int | None = None, is_causal: bool = False,
-                     key_value_seq_lengths: Any = None, eps: float = DEFAULT_EPS):
-  phi = _learned_map(rng, num_features, feature_weight, feature_bias, jnp.shape(query)[-1],
-                     "linear_attention")
-  return _weights(query, key, feature_map=phi, is_causal=is_causal,
-                  key_value_seq_lengths=key_value_seq_lengths, eps=eps)
-
-
-register_attention(AttentionSpec(
-    name="linear_learned",
-    function=_linear_learned,
-    reference=_linear_learned_reference,
-    how_options=frozenset({"implementation", "chunk_size"}),
-    implementations=IMPLEMENTATIONS,
-    suite_implementations=("parallel", "chunked"),
-    noncausal_only=frozenset({"parallel"}),
-    test_options={"chunk_size": 4, "num_features": 6},
-    streaming=StreamingSpec(init=_learned_init_like, step=_learned_step,
-                            summarize=_learned_summarize, combine=recurrence.combine_states),
-    weights=_learned_weights,
-    params=ParamSpec(init=_init_learned, names=("feature_weight", "feature_bias"),
-                     trainable=True),
-))
+_register("linear_elu", elu_plus_one)
+_register("linear_relu", relu)
+# The learnable map elu(x W + b) + 1, its weights as array options.
+_register("linear_learned", params=ParamSpec(
+    init=_init_learned, names=("feature_weight", "feature_bias"), trainable=True,
+    option="feature_map", build=lambda a: projected(a["feature_weight"], a["feature_bias"])))

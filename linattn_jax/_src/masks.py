@@ -24,7 +24,7 @@ from linattn_jax._src.checks import check_positive_int, positive_sizes
 
 def _positions(T: int, S: int, fn: str) -> tuple[jax.Array, jax.Array]:
   """Query positions ``[T, 1]`` and key positions ``[1, S]``, once T and S are checked."""
-  T, S = positive_sizes(fn, T=T, S=S)
+  T, S = positive_sizes(T=T, S=S, fn=fn)
   return jnp.arange(T)[:, None], jnp.arange(S)[None, :]
 
 
@@ -132,7 +132,7 @@ def padding(
                   ("key_value_seq_lengths", key_value_seq_lengths)):
     if x is not None and jnp.ndim(x) != 1:
       raise ValueError(f"padding: {name} must have shape [B]; got {jnp.shape(x)}.")
-  T, S = positive_sizes("padding", T=T, S=S)
+  T, S = positive_sizes(T=T, S=S, fn="padding")
   q_ok = length_predicate(jnp.arange(T), query_seq_lengths)  # [B|1, T]
   k_ok = length_predicate(jnp.arange(S), key_value_seq_lengths)  # [B|1, S]
   return q_ok[:, :, None] & k_ok[:, None, :]
@@ -285,7 +285,7 @@ def block_sparse(layout: Any, block_size: int, T: int, S: int) -> jax.Array:
     Child et al., "Generating Long Sequences with Sparse Transformers", 2019.
   """
   block_size = check_positive_int(block_size, name="block_size", fn="block_sparse")
-  T, S = positive_sizes("block_sparse", T=T, S=S)
+  T, S = positive_sizes(T=T, S=S, fn="block_sparse")
   layout = np.asarray(layout)
   want = (-(-T // block_size), -(-S // block_size))
   if layout.ndim not in (2, 3) or layout.shape[-2:] != want:
@@ -503,7 +503,7 @@ def bigbird(
     Zaheer et al., "Big Bird: Transformers for Longer Sequences", 2020.
   """
   bs = check_positive_int(block_size, name="block_size", fn="bigbird")
-  U = max(positive_sizes("bigbird", T=T, S=S))
+  U = max(positive_sizes(T=T, S=S, fn="bigbird"))
   layout = bigbird_blocks(-(-U // bs), num_window_blocks=num_window_blocks,
                           num_global_blocks=num_global_blocks,
                           num_random_blocks=num_random_blocks, rng=rng, is_causal=is_causal,

@@ -69,6 +69,27 @@ def safe_divide(x: jax.Array, den: jax.Array) -> jax.Array:
   return jnp.where(empty, 0.0, x / jnp.where(empty, 1.0, den))
 
 
+# NaN-free log space: log 0 = -inf, and every -inf has a zero (never NaN) gradient.
+
+
+def safe_log(x: jax.Array) -> jax.Array:
+  """``log x`` for ``x > 0``, ``-inf`` elsewhere."""
+  positive = x > 0
+  return jnp.where(positive, jnp.log(jnp.where(positive, x, 1.0)), -jnp.inf)
+
+
+def logsumexp(x: jax.Array, axis: int) -> jax.Array:
+  """``log Σ exp(x)`` over ``axis``; ``-inf`` when every entry is ``-inf``."""
+  m = jax.lax.stop_gradient(exponent_shift(jnp.max(x, axis=axis, keepdims=True)))
+  return safe_log(jnp.sum(jnp.exp(x - m), axis=axis)) + jnp.squeeze(m, axis)
+
+
+def logaddexp(a: jax.Array, b: jax.Array) -> jax.Array:
+  """``log(exp(a) + exp(b))``, ``-inf`` for ``a = b = -inf``."""
+  m = jax.lax.stop_gradient(exponent_shift(jnp.maximum(a, b)))
+  return safe_log(jnp.exp(a - m) + jnp.exp(b - m)) + m
+
+
 def online_softmax_update(
     carry: SoftmaxCarry,
     scores: jax.Array,

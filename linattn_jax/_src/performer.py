@@ -38,6 +38,7 @@ from jax.typing import ArrayLike
 
 from linattn_jax._src import checks, recurrence
 from linattn_jax._src.feature_maps import (
+    check_projection,
     favor_plus,
     orthogonal_random_projection,
     random_fourier,
@@ -193,23 +194,14 @@ def _performer_attention(query, key, value, *, projection, is_causal, key_value_
                          kernel, eps, implementation, chunk_size, initial_state, return_state,
                          fn: str):
   """:func:`performer_attention` and its reference, with errors naming ``fn``."""
-  _check_projection(projection, query, fn)
+  check_projection(projection, query_shape=jnp.shape(query), fn=fn)
+  family = recurrence.Family(_LogScaled(_check_kernel(kernel, fn)), "kernel", PerformerState,
+                             IMPLEMENTATIONS)
   out, state = recurrence.recurrent_attention(
-      query, key, value, featurizer=_LogScaled(_check_kernel(kernel, fn)), params=projection,
-      read="kernel", state_cls=PerformerState, is_causal=is_causal,
+      family, query, key, value, projection, is_causal=is_causal,
       key_value_seq_lengths=key_value_seq_lengths, eps=eps, implementation=implementation,
-      implementations=IMPLEMENTATIONS, chunk_size=chunk_size, initial_state=initial_state,
-      fn=fn,
-  )
+      chunk_size=chunk_size, initial_state=initial_state, fn=fn)
   return (out, state) if return_state else out
-
-
-def _check_projection(projection: Any, query: ArrayLike, fn: str) -> None:
-  """``projection`` must be ``[M, H]`` with the queries' head dim H."""
-  shape, H = jnp.shape(projection), jnp.shape(query)[-1]
-  if len(shape) != 2 or shape[1] != H:
-    raise ValueError(f"{fn}: projection must be [M, H] with H={H} (the last axis of query "
-                     f"{jnp.shape(query)}); got {shape}.")
 
 
 def performer_attention_reference(
@@ -300,9 +292,9 @@ def init_performer_state(
     >>> state.kv.shape, out.shape
     ((1, 2, 16, 4), (1, 2, 4))
   """
-  B, K, M, D = checks.positive_sizes("init_performer_state", batch=batch,
+  B, K, M, D = checks.positive_sizes(batch=batch,
                                      num_kv_heads=num_kv_heads, feature_dim=feature_dim,
-                                     value_dim=value_dim)
+                                     value_dim=value_dim, fn="init_performer_state")
   return PerformerState(jnp.zeros((B, K, M, D), dtype), jnp.zeros((B, K, M), dtype),
                         jnp.full((B, K), -jnp.inf, dtype))
 
@@ -372,125 +364,55 @@ def _init_params(rng: jax.Array, head_dim: int, *,
   return {"projection": orthogonal_random_projection(rng, M, head_dim)}
 
 
-def _projection(rng: Any, num_features: int | None, projection: Any, head_dim: int,
-                fn: str) -> jax.Array:
-  """``projection`` if given (then ``rng`` must not be), else drawn from ``rng``.
-
-  ``rng`` is an int seed (hashable: a static-safe registry option) or a PRNG
-  key; None means seed 0.
-  """
-  if projection is None:
-    return _init_params(checks.prng_key(rng), head_dim,
-                        num_features=num_features)["projection"]
-  if rng is not None:
-    raise ValueError(f"{fn}: give `rng` (a seed to draw the projection from) or `projection`, "
-                     "not both.")
-  projection = jnp.asarray(projection)
-  if num_features is not None and projection.shape[:1] != (num_features,):
-    raise ValueError(f"{fn}: num_features={num_features} disagrees with projection "
-                     f"{projection.shape} ([M, H]); give one of them.")
-  return projection
-
-
-def _performer_by_seed(
-    query: ArrayLike,
-    key: ArrayLike,
-    value: ArrayLike,
-    *,
-    rng: Any = None,
-    num_features: int | None = None,
-    projection: Any = None,
-    kernel: str = "positive",
-    is_causal: bool = False,
-    key_value_seq_lengths: Any = None,
-    eps: float = DEFAULT_EPS,
-    implementation: LinearImplementation | None = None,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-    initial_state: PerformerState | None = None,
-    return_state: bool = False,
-):
-  """:func:`performer_attention` with ``projection``, or with
-  ``orthogonal_random_projection(rng, num_features, H)`` when it is left out
-  (``rng`` None: seed 0; ``num_features`` None: 256). Redraw by changing
-  ``rng`` or passing a new projection.
-  """
-  projection = _projection(rng, num_features, projection, jnp.shape(query)[-1],
-                           "performer_attention")
-  return performer_attention(
-      query, key, value, projection=projection, is_causal=is_causal,
-      key_value_seq_lengths=key_value_seq_lengths, kernel=kernel, eps=eps,
-      implementation=implementation, chunk_size=chunk_size, initial_state=initial_state,
-      return_state=return_state,
-  )
-
-
-def _init_by_seed(query, key, value, *, num_features: int | None = None, projection: Any = None,
-                  kernel: str = "positive") -> PerformerState:
+def _init_like(query, key, value, *, projection: Any, kernel: str = "positive") -> PerformerState:
+  """The empty state for arrays shaped like ``query``, ``key``, ``value`` (streaming init)."""
   p = checks.prepare_qkv(query, key, value, fn="init_performer_state")
   B, _, _, _, K, H, D = p.dims
-  if projection is not None:
-    num_features = jnp.shape(projection)[0]
-  M = DEFAULT_NUM_FEATURES if num_features is None else num_features
-  phi = KERNELS[_check_kernel(kernel, "init_performer_state")](jnp.zeros((M, H)))
+  phi = KERNELS[_check_kernel(kernel, "init_performer_state")](projection)
   dtype = checks.accumulation_dtype(p.query.dtype)
   return init_performer_state(B, K, feature_dim(phi, H, dtype), D, dtype)
 
 
-def _step_by_seed(state, query, key, value, *, rng: Any = None,
-                  num_features: int | None = None, projection: Any = None,
-                  kernel: str = "positive", eps: float = DEFAULT_EPS):
-  projection = _projection(rng, num_features, projection, jnp.shape(query)[-1],
-                           "performer_attention_step")
-  return performer_attention_step(state, query, key, value, projection=projection,
-                                  kernel=kernel, eps=eps)
-
-
-def _summarize_by_seed(key, value, *, rng: Any = None, num_features: int | None = None,
-                       projection: Any = None, kernel: str = "positive",
-                       key_value_seq_lengths: Any = None):
+def _summarize(key, value, *, projection: Any, kernel: str = "positive",
+               key_value_seq_lengths: Any = None) -> PerformerState:
   """The :class:`PerformerState` of ``key`` / ``value`` (the registry's ``summarize``)."""
-  return recurrence.summarize_keys(
-      _performer_by_seed, key, value, rng=rng, num_features=num_features, projection=projection,
-      kernel=kernel, key_value_seq_lengths=key_value_seq_lengths)
+  return recurrence.summarize_keys(performer_attention, key, value, projection=projection,
+                                   kernel=kernel, key_value_seq_lengths=key_value_seq_lengths)
 
 
-def _weights_by_seed(query, key, *, rng: Any = None, num_features: int | None = None,
-                     projection: Any = None, kernel: str = "positive", is_causal: bool = False,
-                     key_value_seq_lengths: Any = None, eps: float = DEFAULT_EPS) -> ImpliedWeights:
-  """:func:`kernel_weights` of :func:`_performer_by_seed` (the registry's ``weights``)."""
+def _weights(query, key, *, projection: Any, kernel: str = "positive", is_causal: bool = False,
+             key_value_seq_lengths: Any = None, eps: float = DEFAULT_EPS) -> ImpliedWeights:
+  """:func:`kernel_weights` of :func:`performer_attention` (the registry's ``weights``)."""
   fn = "performer_attention"
+  check_projection(projection, query_shape=jnp.shape(query), fn=fn)
   return kernel_weights(
-      query, key, featurizer=_LogScaled(_check_kernel(kernel, fn)),
-      params=_projection(rng, num_features, projection, jnp.shape(query)[-1], fn),
+      query, key, featurizer=_LogScaled(_check_kernel(kernel, fn)), params=jnp.asarray(projection),
       is_causal=is_causal, key_value_seq_lengths=key_value_seq_lengths, eps=eps, fn=fn)
 
 
-def _register(name: str, kernel: str, num_features: int,
-              suite_implementations: tuple[str, ...] | None = None) -> None:
-  bind = functools.partial
+def _register(name: str, kernel: str) -> None:
+  """One entry; its ``projection`` is drawn from ``rng`` (M = ``num_features``) when left out."""
+  arrays = ParamSpec(init=_init_params, names=("projection",), trainable=False)
+
+  def bind(fn, head_dim_at=0):
+    return arrays.bind(functools.partial(fn, kernel=kernel), head_dim_at=head_dim_at)
+
   register_attention(AttentionSpec(
       name=name,
-      function=bind(_performer_by_seed, kernel=kernel),
-      reference=bind(_performer_by_seed, kernel=kernel, implementation="reference"),
+      function=bind(performer_attention),
+      reference=bind(performer_attention_reference),
       how_options=frozenset({"implementation", "chunk_size"}),
       implementations=IMPLEMENTATIONS,
-      suite_implementations=suite_implementations,
       noncausal_only=frozenset({"parallel"}),
-      test_options={"chunk_size": 4, "num_features": num_features},
-      streaming=StreamingSpec(init=bind(_init_by_seed, kernel=kernel),
-                              step=bind(_step_by_seed, kernel=kernel),
-                              summarize=bind(_summarize_by_seed, kernel=kernel),
-                              combine=recurrence.combine_states),
-      weights=bind(_weights_by_seed, kernel=kernel),
-      params=ParamSpec(init=_init_params, names=("projection",), trainable=False),
+      streaming=StreamingSpec(init=bind(_init_like), step=bind(performer_attention_step, 1),
+                              summarize=bind(_summarize), combine=recurrence.combine_states),
+      weights=bind(_weights),
+      params=arrays,
   ))
 
 
-_register("performer", "positive", num_features=16)
-# Trigonometric features are signed, so some of the suite's rows have a
-# normaliser that nearly cancels (more features do not prevent it: the
-# estimator's variance grows like exp(‖q̂‖² + ‖k̂‖²)); the suite judges those
-# rows by their conditioning. Same engine as "performer", which the suite
-# runs in every form.
-_register("random_fourier", "trig", num_features=16,
-          suite_implementations=("parallel", "chunked"))
+_register("performer", "positive")
+# Trigonometric features are signed, so some of the suite's rows have a normaliser that
+# nearly cancels (more features do not prevent it: the estimator's variance grows like
+# exp(‖q̂‖² + ‖k̂‖²)); the suite judges those rows by their conditioning.
+_register("random_fourier", "trig")

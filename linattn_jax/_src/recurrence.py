@@ -33,9 +33,17 @@ A query reads a state in one of two ways (``read``):
   over keys per feature h, mixed by the query's weights.
 
 Causal attention (query t sees keys ``j <= t + S - T``, bottom-right
-aligned; see ``masks.causal``) visits chunks of C tokens with ``lax.scan``
-over a ``jax.checkpoint``-ed body, so the backward pass keeps one state per
-chunk. Within a chunk, the ``"chunked"`` body forms the masked ``[C, C]``
+aligned; see ``masks.causal``) runs through :func:`run_chunks`, the one chunk
+driver of the toolkit: it aligns T and S, pads, cuts the featurised inputs (a
+:class:`Chunk`) into chunks of C positions and scans a ``jax.checkpoint``-ed
+body over them, so the backward pass keeps one state per chunk. A recurrence
+plugs in three functions (:class:`Bodies`): a causal body ``(config, carry,
+chunk) -> (carry, out)``, an absorb of keys every query sees, and a read of
+queries that see only the state. Heinsen's log-value attention brings its own
+log-space bodies; gated and delta-rule recurrences bring theirs (their carry
+and per-key ``gates``), on the same driver.
+
+Within a chunk, the ``"chunked"`` body forms the masked ``[C, C]``
 matrix of query-key weights. With a per-feature log-scale each query has its
 own running max per feature; the body measures the chunk's keys against the
 running max at its first position instead (one ``exp`` per key and feature,
@@ -58,9 +66,10 @@ References:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import numbers
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -99,14 +108,134 @@ def empty_carry(B: int, K: int, M: int, M_log: int, D: int, dtype: Any) -> Carry
                jnp.full((B, K, M_log), -jnp.inf, dtype))
 
 
+class Chunk(NamedTuple):
+  """A span of featurised queries and keys in the internal layout.
+
+  The query fields have their positions on axis 3, the key fields on axis 2.
+  A body that reads only queries gets None for the key fields and the other
+  way round. ``gates`` holds extra per-key inputs of gated recurrences
+  (``[B, K, S, ...]``; a padded key gets 0: no decay, no write).
+  """
+
+  fq: Any  # [B, K, G, T, M|1]: query features.
+  lq: Any  # [B, K, G, T, M'|1]: query log-scales.
+  fk: Any  # [B, K, S, M|1]: key features (0 for hidden keys).
+  lk: Any  # [B, K, S, M']: key log-scales (-inf for hidden keys).
+  v: Any  # [B, K, S, D]: values (0 for hidden keys).
+  gates: tuple[jax.Array, ...] = ()
+
+  @property
+  def num_queries(self) -> int:
+    return self.fq.shape[3]
+
+  @property
+  def num_keys(self) -> int:
+    return self.fk.shape[2]
+
+  def map(self, fn: Callable[[jax.Array, int], jax.Array]) -> Chunk:
+    """``fn(array, position_axis)`` on every array (None fields stay None)."""
+    return Chunk(*(jax.tree.map(lambda x, a=axis: fn(x, a), field)
+                   for field, axis in zip(self, (3, 3, 2, 2, 2, 2), strict=True)))
+
+  def keys(self, start: int, stop: int) -> Chunk:
+    """Keys ``start:stop`` and no queries."""
+    cut = self._replace(fq=None, lq=None)
+    return cut.map(lambda x, axis: lax.slice_in_dim(x, start, stop, axis=axis))
+
+  def queries(self) -> Chunk:
+    """The queries and no keys."""
+    return Chunk(self.fq, self.lq, None, None, None, None)
+
+  def pad_keys(self, front: int = 0, multiple: int = 1) -> Chunk:
+    """``front`` hidden keys first, then hidden keys up to a multiple of ``multiple``."""
+    def pad(x, fill):
+      widths = [(0, 0)] * x.ndim
+      widths[2] = (front, 0)
+      return pad_axis(jnp.pad(x, widths, constant_values=fill), 2, multiple, fill)
+
+    pad_or_none = lambda x, fill: None if x is None else pad(x, fill)  # noqa: E731
+    return self._replace(fk=pad_or_none(self.fk, 0), lk=pad_or_none(self.lk, -jnp.inf),
+                         v=pad_or_none(self.v, 0),
+                         gates=jax.tree.map(lambda g: pad(g, 0), self.gates))
+
+  def blocks(self, C: int) -> Chunk:
+    """Every field cut into ``ceil(L / C)`` blocks of C positions, the block index first."""
+    return self.pad_keys(multiple=C).map(lambda x, axis: split_blocks(x, axis, C))
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadConfig:
+  """How queries read the state (see the module docstring); static."""
+
+  read: Read = "kernel"
+  eps: float = 0.0
+
+
+# A body: (config, carry, chunk) -> (carry, out); an absorb: (config, carry, chunk) -> carry;
+# a read: (config, carry, chunk) -> out. See run_chunks.
+Body = Callable[[Any, Any, Chunk], tuple[Any, jax.Array]]
+
+
+class Bodies(NamedTuple):
+  """What a recurrence supplies to :func:`run_chunks`.
+
+  Attributes:
+    causal: C aligned causal queries and keys (query i sees keys ``<= i``
+      and the carry): ``(config, carry, chunk) -> (carry, out)``.
+    absorb: keys that every query sees: ``(config, carry, chunk) -> carry``.
+    read: queries that see only the carry: ``(config, carry, chunk) -> out``.
+  """
+
+  causal: Body
+  absorb: Callable[[Any, Any, Chunk], Any]
+  read: Callable[[Any, Any, Chunk], jax.Array]
+
+
+def _scan(fn, carry, chunk: Chunk, C: int):
+  """``fn(carry, block) -> (carry, out)`` over blocks of C positions, checkpointed per block."""
+  blocks = chunk.blocks(C)
+  if next(x for x in jax.tree.leaves(blocks)).shape[0] == 1:
+    carry, out = fn(carry, jax.tree.map(lambda x: x[0], blocks))
+    return carry, jax.tree.map(lambda x: x[None], out)
+  return lax.scan(jax.checkpoint(fn, prevent_cse=False), carry, blocks)
+
+
+def run_chunks(bodies: Bodies, config: Any, carry: Any, chunk: Chunk, *, is_causal: bool,
+               chunk_size: int) -> tuple[jax.Array, Any]:
+  """The chunk driver of every recurrence: ``(out [B, K, G, T, ·], final carry)``.
+
+  Non-causal: the keys are absorbed (in blocks of ``chunk_size``), then every
+  query reads the result. Causal (bottom-right aligned): for S > T the first
+  S - T keys are a prefix every query sees, absorbed first; for T > S the
+  first T - S queries see only the carry (T - S hidden keys are put in
+  front). The aligned sequence runs through ``bodies.causal`` in chunks of
+  ``chunk_size`` under ``lax.scan`` and ``jax.checkpoint``, so the backward
+  pass keeps one carry per chunk.
+  """
+  T, S = chunk.num_queries, chunk.num_keys
+  seen = max(S - T, 0) if is_causal else S
+  if seen:
+    keys = chunk.keys(0, seen)
+    carry, _ = _scan(lambda c, x: (bodies.absorb(config, c, x), None), carry, keys,
+                     min(chunk_size, seen))
+  if not is_causal:
+    _, out = _scan(lambda c, x: (c, bodies.read(config, c, x)), carry, chunk.queries(),
+                   min(chunk_size, T))
+  else:
+    chunk = chunk.keys(seen, S)._replace(fq=chunk.fq, lq=chunk.lq)
+    chunk = chunk.pad_keys(front=T - (S - seen))
+    carry, out = _scan(lambda c, x: bodies.causal(config, c, x), carry, chunk, min(chunk_size, T))
+  return merge_blocks(out, 3, T), carry
+
+
 # State algebra ------------------------------------------------------------------
 
 
-def summarize(fk: jax.Array, lk: jax.Array, v: jax.Array) -> Carry:
-  """The state of S keys: ``fk [..., S, M|1]``, ``lk [..., S, M']``, ``v [..., S, D]``."""
-  m = jnp.max(lax.stop_gradient(lk), axis=-2)
-  e = fk * jnp.exp(lk - exponent_shift(m)[..., None, :])  # [..., S, M]
-  return Carry(jnp.einsum("...sm,...sd->...md", e, v), jnp.sum(e, axis=-2), m)
+def summarize(chunk: Chunk) -> Carry:
+  """The state of a chunk's S keys."""
+  m = jnp.max(lax.stop_gradient(chunk.lk), axis=-2)
+  e = chunk.fk * jnp.exp(chunk.lk - exponent_shift(m)[..., None, :])  # [..., S, M]
+  return Carry(jnp.einsum("...sm,...sd->...md", e, chunk.v), jnp.sum(e, axis=-2), m)
 
 
 def combine(earlier: Carry, later: Carry) -> Carry:
@@ -116,6 +245,11 @@ def combine(earlier: Carry, later: Carry) -> Carry:
   wa, wb = jnp.exp(earlier.running_max - shift), jnp.exp(later.running_max - shift)
   return Carry(wa[..., None] * earlier.kv + wb[..., None] * later.kv,
                wa * earlier.k_sum + wb * later.k_sum, m)
+
+
+def _absorb(config: ReadConfig, carry: Carry, chunk: Chunk) -> Carry:
+  del config
+  return combine(carry, summarize(chunk))
 
 
 # Reading states -----------------------------------------------------------------
@@ -137,26 +271,26 @@ def _coefficients(read: Read, fq, lq, units, running_max, den):
   return fq * jnp.exp(lq + units - c)
 
 
-def _finish(read: Read, num, den, eps: float):
+def _finish(config: ReadConfig, num, den):
   """``num / (den + eps)`` for a kernel read (0 where that is 0); a per-feature read is done."""
-  if read == "per_feature":
+  if config.read == "per_feature":
     return num
-  den = den + eps
+  den = den + config.eps
   return num / jnp.where(den == 0, 1, den)[..., None]  # No key: num = 0, so 0.
 
 
-def readout(read: Read, eps: float, carry: Carry, fq, lq) -> jax.Array:
-  """Queries ``[B, K, G, T, ·]`` read one state ``[B, K, ...]`` or one per query ``[B, K, T, ...]``.
-  """
+def readout(config: ReadConfig, carry: Carry, chunk: Chunk) -> jax.Array:
+  """The chunk's queries ``[B, K, G, T, ·]`` read one state ``[B, K, ...]`` or one per
+  query ``[B, K, T, ...]``."""
   per_query = carry.kv.ndim == 5
   lift = (lambda x: x[:, :, None]) if per_query else (lambda x: x[:, :, None, None])
   m, k_sum = lift(carry.running_max), lift(carry.k_sum)
-  coef = _coefficients(read, fq, lq, m, m, k_sum)
+  coef = _coefficients(config.read, chunk.fq, chunk.lq, m, m, k_sum)
   num = jnp.einsum("bkgtm,bktmd->bkgtd" if per_query else "bkgtm,bkmd->bkgtd", coef, carry.kv)
-  return _finish(read, num, jnp.sum(coef * k_sum, axis=-1), eps)
+  return _finish(config, num, jnp.sum(coef * k_sum, axis=-1))
 
 
-def exact_weights(read: Read, carry: Carry, fq, lq, fk, lk, visible: jax.Array | None):
+def exact_weights(config: ReadConfig, carry: Carry, chunk: Chunk, visible: jax.Array | None):
   """Each query's weights in the units of its own running max: ``(a, cw)``.
 
   ``a [B, K, G, T, S]`` weighs the keys (exact zeros where ``visible [T, S]``
@@ -165,7 +299,8 @@ def exact_weights(read: Read, carry: Carry, fq, lq, fk, lk, visible: jax.Array |
   ``den = Σ_j a + cw·k_sum``.
   Per-feature log-scales form ``[T, S, M]`` exponentials: use on chunks.
   """
-  lk = lk[:, :, None]  # [B, K, 1, S, M']
+  fq, lq, fk = chunk.fq, chunk.lq, chunk.fk
+  lk = chunk.lk[:, :, None]  # [B, K, 1, S, M']
   if visible is not None:
     lk = jnp.where(visible[..., None], lk, -jnp.inf)  # [B, K, T, S, M']
   state_max = carry.running_max[:, :, None]  # [B, K, 1, M']
@@ -174,16 +309,16 @@ def exact_weights(read: Read, carry: Carry, fq, lq, fk, lk, visible: jax.Array |
   e = jnp.exp(lk - shift[..., None, :])  # [B, K, T|1, S, M']; 0 where hidden.
   w = jnp.exp(state_max - shift)[:, :, None]  # [B, K, 1, T|1, M']: the state's weight.
   k_sum = carry.k_sum[:, :, None, None]  # [B, K, 1, 1, M]
+  coefficients = functools.partial(_coefficients, config.read, fq, lq, m[:, :, None],
+                                   m[:, :, None])
   if lk.shape[-1] == 1:  # One log-scale per key: weight = (φ(q)·φ(k)) exp(ℓ_k - m_t).
     e = e[..., 0][:, :, None]  # [B, K, 1, T|1, S]
-    den = w * k_sum + jnp.einsum("bkgts,bksm->bkgtm", e, fk)  # Unused (dropped) by kernel reads.
-    coef = _coefficients(read, fq, lq, m[:, :, None], m[:, :, None], den)
+    coef = coefficients(w * k_sum + jnp.einsum("bkgts,bksm->bkgtm", e, fk))
     a = jnp.einsum("bkgtm,bksm->bkgts", coef, fk)
     a = jnp.where(e > 0, a * e, 0)  # Hidden keys: exact zeros, even where φ(q)·φ(k) = inf.
   else:  # One log-scale per feature: weight = Σ_h coef_h φ(k)_h exp(ℓ_k,h - m_t,h).
     p = fk[:, :, None] * e  # [B, K, T|1, S, M]
-    den = w * k_sum + jnp.sum(p, axis=-2)[:, :, None]
-    coef = _coefficients(read, fq, lq, m[:, :, None], m[:, :, None], den)
+    coef = coefficients(w * k_sum + jnp.sum(p, axis=-2)[:, :, None])
     if p.shape[2] == 1:  # No mask: every query has the same keys.
       a = jnp.einsum("bkgtm,bksm->bkgts", coef, p[:, :, 0])
     else:
@@ -191,16 +326,17 @@ def exact_weights(read: Read, carry: Carry, fq, lq, fk, lk, visible: jax.Array |
   return a, coef * w
 
 
-def _exact_block(read: Read, eps: float, carry: Carry, fq, lq, fk, lk, v,
+def _exact_block(config: ReadConfig, carry: Carry, chunk: Chunk,
                  visible: jax.Array | None) -> jax.Array:
   """Queries against the state plus keys ``visible [T, S]``, by :func:`exact_weights`."""
-  a, cw = exact_weights(read, carry, fq, lq, fk, lk, visible)
-  num = jnp.einsum("bkgts,bksd->bkgtd", a, v) + jnp.einsum("bkgtm,bkmd->bkgtd", cw, carry.kv)
+  a, cw = exact_weights(config, carry, chunk, visible)
+  num = (jnp.einsum("bkgts,bksd->bkgtd", a, chunk.v)
+         + jnp.einsum("bkgtm,bkmd->bkgtd", cw, carry.kv))
   den = jnp.sum(a, axis=-1) + jnp.einsum("bkgtm,bkm->bkgt", cw, carry.k_sum)
-  return _finish(read, num, den, eps)
+  return _finish(config, num, den)
 
 
-def _chunk_block(read: Read, eps: float, carry: Carry, fq, lq, fk, lk, v):
+def _chunk_block(config: ReadConfig, carry: Carry, chunk: Chunk):
   """C aligned causal queries against the state and C keys, per-feature log-scales.
 
   Every key and the state are measured against ``R``, the running max at
@@ -210,6 +346,7 @@ def _chunk_block(read: Read, eps: float, carry: Carry, fq, lq, fk, lk, v):
   products. Exact for the rows whose running max stays within ``MAX_RISE``
   of ``R``; returns ``(out, needs_exact [B, K, C])`` marking the others.
   """
+  lk = chunk.lk
   C = lk.shape[2]
   state_max = carry.running_max  # [B, K, M]
   m = jnp.maximum(state_max[:, :, None], lax.cummax(lax.stop_gradient(lk), axis=2))
@@ -219,121 +356,87 @@ def _chunk_block(read: Read, eps: float, carry: Carry, fq, lq, fk, lk, v):
   needs_exact = jnp.max(rise, axis=-1) > MAX_RISE  # [B, K, C]
   # Keys past a row's reach are capped: only rows that need the exact form could see them.
   x = lk - shift[:, :, None]
-  e = fk * jnp.exp(jnp.where(x <= MAX_RISE, x, MAX_RISE))  # [B, K, C, M]
+  e = chunk.fk * jnp.exp(jnp.where(x <= MAX_RISE, x, MAX_RISE))  # [B, K, C, M]
   w = jnp.exp(state_max - shift)  # [B, K, M], <= 1.
   den = (w * carry.k_sum)[:, :, None] + jnp.cumsum(e, axis=2)  # [B, K, C, M], units exp(R).
-  coef = _coefficients(read, fq, lq, R[:, :, None, None], m[:, :, None], den[:, :, None])
+  coef = _coefficients(config.read, chunk.fq, chunk.lq, R[:, :, None, None], m[:, :, None],
+                       den[:, :, None])
   # Rows left to the exact form read nothing here (zeros, zero gradients, never inf).
   coef = jnp.where(needs_exact[:, :, None, :, None], 0, coef)
   a = jnp.where(jnp.tril(jnp.ones((C, C), bool)), jnp.einsum("bkgim,bkjm->bkgij", coef, e), 0)
-  num = (jnp.einsum("bkgij,bkjd->bkgid", a, v)
+  num = (jnp.einsum("bkgij,bkjd->bkgid", a, chunk.v)
          + jnp.einsum("bkgim,bkmd->bkgid", coef * w[:, :, None, None], carry.kv))
-  out = _finish(read, num, jnp.sum(coef * den[:, :, None], axis=-1), eps)
+  out = _finish(config, num, jnp.sum(coef * den[:, :, None], axis=-1))
   return out, needs_exact
 
 
-# Causal chunk bodies: (carry, fq, lq [B,K,G,C,.], fk, lk [B,K,C,.], v [B,K,C,D]) -> (carry, out)
+# Causal bodies of the implementations: (config, carry, chunk) -> (carry, out).
 
 
-def _chunk_masked(read, eps, carry: Carry, fq, lq, fk, lk, v):
-  exact = functools.partial(_exact_block, read, eps, carry, fq, lq, fk, lk, v,
-                            causal(lk.shape[2]))
-  if lk.shape[-1] == 1:  # A scalar log-scale per key costs only [C, C] exponentials.
+def _chunk_masked(config: ReadConfig, carry: Carry, chunk: Chunk):
+  exact = functools.partial(_exact_block, config, carry, chunk, causal(chunk.num_keys))
+  if chunk.lk.shape[-1] == 1:  # A scalar log-scale per key costs only [C, C] exponentials.
     out = exact()
   else:  # Rows are replaced, never recomputed: each row's value depends on its own past.
-    out, needs_exact = _chunk_block(read, eps, carry, fq, lq, fk, lk, v)
+    out, needs_exact = _chunk_block(config, carry, chunk)
     out = lax.cond(jnp.any(needs_exact),
                    lambda: jnp.where(needs_exact[:, :, None, :, None], exact(), out),
                    lambda: out)
-  return combine(carry, summarize(fk, lk, v)), out
+  return combine(carry, summarize(chunk)), out
 
 
-def _per_token(fk, lk, v) -> Carry:
-  """One state per token: fields ``[B, K, C, ...]``."""
-  return summarize(fk[..., None, :], lk[..., None, :], v[..., None, :])
+def _per_token(chunk: Chunk) -> Carry:
+  """One state per key: fields ``[B, K, C, ...]``."""
+  return summarize(chunk._replace(fk=chunk.fk[..., None, :], lk=chunk.lk[..., None, :],
+                                  v=chunk.v[..., None, :]))
 
 
-def _chunk_scan(read, eps, carry: Carry, fq, lq, fk, lk, v):
-  def token(carry, xs):
-    fq_t, lq_t, fk_t, lk_t, v_t = xs
-    carry = combine(carry, _per_token(fk_t, lk_t, v_t))
-    return carry, readout(read, eps, carry, fq_t[:, :, :, None], lq_t[:, :, :, None])[:, :, :, 0]
+def _chunk_scan(config: ReadConfig, carry: Carry, chunk: Chunk):
+  def token(carry, token_chunk):  # The token recurrence: fields without the position axis.
+    carry = combine(carry, _per_token(token_chunk))
+    return carry, readout(config, carry, token_chunk._replace(
+        fq=token_chunk.fq[:, :, :, None], lq=token_chunk.lq[:, :, :, None]))[:, :, :, 0]
 
-  xs = (*(jnp.moveaxis(x, 3, 0) for x in (fq, lq)), *(jnp.moveaxis(x, 2, 0) for x in (fk, lk, v)))
-  carry, out = lax.scan(token, carry, xs)
+  tokens = chunk.map(lambda x, axis: jnp.moveaxis(x, axis, 0))
+  carry, out = lax.scan(token, carry, tokens)
   return carry, jnp.moveaxis(out, 0, 3)
 
 
-def _chunk_associative_scan(read, eps, carry: Carry, fq, lq, fk, lk, v):
-  prefix = lax.associative_scan(combine, _per_token(fk, lk, v), axis=2)
+def _chunk_associative_scan(config: ReadConfig, carry: Carry, chunk: Chunk):
+  prefix = lax.associative_scan(combine, _per_token(chunk), axis=2)
   states = combine(jax.tree.map(lambda x: x[:, :, None], carry), prefix)  # [B, K, C, ...]
-  return jax.tree.map(lambda x: x[:, :, -1], states), readout(read, eps, states, fq, lq)
+  return jax.tree.map(lambda x: x[:, :, -1], states), readout(config, states, chunk)
 
 
-CHUNK_BODIES: Mapping[str, Callable[..., Any]] = {
+CAUSAL_BODIES: Mapping[str, Body] = {
     "scan": _chunk_scan,
     "associative_scan": _chunk_associative_scan,
     "chunked": _chunk_masked,
 }
 
 
-def _pad_front(x: jax.Array, axis: int, count: int, value: float) -> jax.Array:
-  widths = [(0, 0)] * x.ndim
-  widths[axis] = (count, 0)
-  return jnp.pad(x, widths, constant_values=value)
-
-
-def causal_pass(body, read: Read, eps: float, carry: Carry, fq, lq, fk, lk, v, *,
-                chunk_size: int) -> tuple[jax.Array, Carry]:
-  """Causal attention of T queries on S keys (bottom-right aligned): ``(out, carry)``.
-
-  For S > T the first S - T keys are a prefix every query sees (folded into
-  the state first); for T > S the first T - S queries see only the state
-  (aligned with T - S hidden keys). The aligned sequence runs in chunks of
-  ``chunk_size`` through ``body``, under ``jax.checkpoint``.
-  """
-  T, S = fq.shape[3], fk.shape[2]
-  if S > T:
-    carry = combine(carry, summarize(fk[:, :, :S - T], lk[:, :, :S - T], v[:, :, :S - T]))
-    fk, lk, v = fk[:, :, S - T:], lk[:, :, S - T:], v[:, :, S - T:]
-  elif T > S:
-    fk, lk, v = (_pad_front(x, 2, T - S, value) for x, value in ((fk, 0), (lk, -jnp.inf), (v, 0)))
-  C = min(chunk_size, T)
-  lk = pad_axis(lk, 2, C, -jnp.inf)  # Padding keys are hidden and keep the running max.
-  xs = (*(split_blocks(x, 3, C) for x in (fq, lq)), *(split_blocks(x, 2, C) for x in (fk, lk, v)))
-  body = functools.partial(body, read, eps)
-  if xs[0].shape[0] == 1:
-    carry, out = body(carry, *(x[0] for x in xs))
-    return out, carry
-  step = jax.checkpoint(lambda c, x: body(c, *x), prevent_cse=False)
-  carry, out = lax.scan(step, carry, xs)
-  return merge_blocks(out, 3, T), carry
-
-
-def attend(read: Read, eps: float, carry: Carry, fq, lq, fk, lk, v, *, is_causal: bool,
+def attend(config: ReadConfig, carry: Carry, chunk: Chunk, *, is_causal: bool,
            implementation: str, chunk_size: int) -> tuple[jax.Array, Carry]:
-  """Output ``[B, K, G, T, D]`` and the final state, from internal-layout arrays.
+  """Output ``[B, K, G, T, D]`` and the final state, from a featurised chunk.
 
   ``implementation``: ``"reference"`` (the masked ``[T, S]`` weights at
   once), ``"parallel"`` (non-causal: one summary), or a causal body of
-  :data:`CHUNK_BODIES`; without ``is_causal`` every form reads one summary.
+  :data:`CAUSAL_BODIES`; without ``is_causal`` every form reads one summary.
   """
   if implementation == "reference":
-    visible = causal(fq.shape[3], fk.shape[2]) if is_causal else None
-    out = _exact_block(read, eps, carry, fq, lq, fk, lk, v, visible)
-    return out, combine(carry, summarize(fk, lk, v))
-  if not is_causal:
-    carry = combine(carry, summarize(fk, lk, v))
-    return readout(read, eps, carry, fq, lq), carry
-  return causal_pass(CHUNK_BODIES[implementation], read, eps, carry, fq, lq, fk, lk, v,
-                     chunk_size=chunk_size)
+    visible = causal(chunk.num_queries, chunk.num_keys) if is_causal else None
+    return _exact_block(config, carry, chunk, visible), _absorb(config, carry, chunk)
+  if not is_causal:  # One summary of every key, read by every query at once.
+    chunk_size = max(chunk.num_queries, chunk.num_keys)
+  bodies = Bodies(CAUSAL_BODIES[implementation] if is_causal else None, _absorb, readout)
+  return run_chunks(bodies, config, carry, chunk, is_causal=is_causal, chunk_size=chunk_size)
 
 
 # State checks and the one-token step ----------------------------------------------
 
 
-def check_state(state: Any, cls: type, want: Mapping[str, tuple[int, ...]], *, fn: str,
-                dims: str, what: str = "the state") -> Any:
+def check_state(state: Any, cls: type, want: Mapping[str, tuple[int, ...]], *, dims: str,
+                what: str = "the state", fn: str) -> Any:
   """``state`` as a ``cls`` of float arrays with the ``want`` shapes, or a ValueError.
 
   Names the function, the state type, the field, and both shapes; ``dims``
@@ -390,8 +493,9 @@ def _log_scale(features: jax.Array, log_scale: jax.Array | None, dtype) -> jax.A
   return log_scale if log_scale.ndim == features.ndim else log_scale[..., None]
 
 
-def featurize(p: checks.Prepared, featurizer: Callable[..., Any], lengths, dtype, fn: str):
-  """``(fq, lq, fk, lk, v)`` in the internal layout; padded keys hidden (lk = -inf, fk = v = 0)."""
+def featurize(p: checks.Prepared, featurizer: Callable[..., Any], lengths, dtype, *,
+              fn: str) -> Chunk:
+  """The featurised :class:`Chunk` of all positions; padded keys hidden (lk = -inf, fk = v = 0)."""
   B, T, S, N, K, H, D = p.dims
   q = p.query.astype(dtype).reshape(B, T, K, N // K, H).transpose(0, 2, 3, 1, 4)
   k = p.key.astype(dtype).transpose(0, 2, 1, 3)  # [B, K, S, H]
@@ -408,8 +512,8 @@ def featurize(p: checks.Prepared, featurizer: Callable[..., Any], lengths, dtype
         f"keys; got {q.shape} -> {fq.shape} and {k.shape} -> {fk.shape}."
     )
   valid = length_predicate(jnp.arange(S), lengths)[:, None, :, None]  # [B|1, 1, S, 1]
-  return (fq, lq, jnp.where(valid, fk, 0), jnp.where(valid, lk, -jnp.inf),
-          jnp.where(valid, v, 0))
+  return Chunk(fq, lq, jnp.where(valid, fk, 0), jnp.where(valid, lk, -jnp.inf),
+               jnp.where(valid, v, 0))
 
 
 def _state_fields(state_cls: type, lead: tuple[int, ...], K: int, M: int, M_log: int,
@@ -442,13 +546,13 @@ def from_carry(carry: Carry, state_cls: type):
   return state_cls(**fields)
 
 
-def _to_carry(state, state_cls: type, p: checks.Prepared, M: int, M_log: int, dtype,
+def _to_carry(state, state_cls: type, p: checks.Prepared, M: int, M_log: int, dtype, *,
               fn: str) -> Carry:
   B, _, _, _, K, _, D = p.dims
   lead = (B,) if p.batched else ()
-  state = check_state(state, state_cls, _state_fields(state_cls, lead, K, M, M_log, D), fn=fn,
+  state = check_state(state, state_cls, _state_fields(state_cls, lead, K, M, M_log, D),
                       dims=f"B={B}, K={K}, M={M}, D={D}" + ("" if p.batched else " (no B)"),
-                      what="initial_state")
+                      what="initial_state", fn=fn)
   carry = jax.tree.map(lambda x: jnp.asarray(x).astype(dtype), as_carry(state))
   return carry if p.batched else jax.tree.map(lambda x: x[None], carry)
 
@@ -493,49 +597,71 @@ def summarize_keys(attention: Callable[..., Any], key: Any, value: Any, **option
   return state
 
 
+@dataclasses.dataclass(frozen=True)
+class Family:
+  """A recurrent variant as the core runs it (static, hashable).
+
+  Attributes:
+    featurizer: ``featurizer(params, x [..., H], *, is_query) -> (features [..., M|1],
+      log-scale None | [...] | [..., M])``; its arrays arrive as ``params``.
+    read: how queries read the state (``"kernel"`` or ``"per_feature"``).
+    state_cls: the public state NamedTuple (fields ``kv``, ``k_sum`` and, for
+      stabilised maps, ``running_max``).
+    implementations: the values of ``implementation=`` the variant offers.
+  """
+
+  featurizer: Featurizer
+  read: Read
+  state_cls: type
+  implementations: tuple[str, ...]
+
+
 def recurrent_attention(
-    query: Any, key: Any, value: Any, *, featurizer: Featurizer, params: Any, read: Read,
-    state_cls: type, is_causal: bool, key_value_seq_lengths: Any, eps: float,
-    implementation: str | None, implementations: Sequence[str], chunk_size: int,
+    family: Family, query: Any, key: Any, value: Any, params: Any = (), *, is_causal: bool,
+    key_value_seq_lengths: Any, eps: float, implementation: str | None, chunk_size: int,
     initial_state: Any, fn: str,
 ) -> tuple[jax.Array, Any]:
-  """The shared entry of every recurrent family: ``(out [B, T, N, D], final state)``.
+  """The shared entry of every recurrent variant: ``(out [B, T, N, D], final state)``.
 
   Checks the static options here, then runs one jitted function (inlined
   under an outer jit; eager calls reuse its compiled program) that validates
-  the arrays and the state (a ``state_cls`` with fields ``kv``, ``k_sum``
-  and, for stabilised maps, ``running_max``), featurises, dispatches on
-  ``implementation`` (None: ``"chunked"`` if causal, else ``"parallel"``) and
+  the arrays and the state, featurises, runs :func:`attend`
+  (``implementation`` None: ``"chunked"`` if causal, else ``"parallel"``) and
   restores the public layout (and the missing batch axis of unbatched calls).
+
+  Raises:
+    ValueError: for a non-bool ``is_causal``, an unknown or unsupported
+      implementation, a bad ``chunk_size`` or ``eps``, bad arrays or a state
+      that does not match them.
   """
   is_causal = checks.check_static_bool(is_causal, name="is_causal", fn=fn)
   implementation = checks.check_implementation(
-      implementation, choices=implementations, is_causal=is_causal, fn=fn)
+      implementation, choices=family.implementations, is_causal=is_causal, fn=fn)
   implementation = implementation or ("chunked" if is_causal else "parallel")
   chunk_size = checks.check_positive_int(chunk_size, name="chunk_size", fn=fn)
   if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or eps < 0:
     raise ValueError(f"{fn}: eps must be a non-negative float; got {eps!r}.")
   return _recurrent_attention(
-      query, key, value, key_value_seq_lengths, initial_state, params, featurizer=featurizer,
-      read=read, state_cls=state_cls, is_causal=is_causal, eps=float(eps),
+      query, key, value, key_value_seq_lengths, initial_state, params, family=family,
+      config=ReadConfig(family.read, float(eps)), is_causal=is_causal,
       implementation=implementation, chunk_size=chunk_size, fn=fn)
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "featurizer", "read", "state_cls", "is_causal", "eps", "implementation", "chunk_size", "fn"))
-def _recurrent_attention(query, key, value, lengths, state, params, *, featurizer, read,
-                         state_cls, is_causal, eps, implementation, chunk_size, fn):
+    "family", "config", "is_causal", "implementation", "chunk_size", "fn"))
+def _recurrent_attention(query, key, value, lengths, state, params, *, family, config, is_causal,
+                         implementation, chunk_size, fn):
   p = checks.prepare_qkv(query, key, value, fn=fn)
   (lengths,) = checks.check_lengths(p, fn=fn, key_value_seq_lengths=lengths).values()
   dtype = checks.accumulation_dtype(p.query.dtype)
-  fq, lq, fk, lk, v = featurize(p, functools.partial(featurizer, params), lengths, dtype, fn)
+  chunk = featurize(p, functools.partial(family.featurizer, params), lengths, dtype, fn=fn)
   B, T, _, N, K, _, D = p.dims
-  M, M_log = max(fk.shape[-1], lk.shape[-1]), lk.shape[-1]
+  M, M_log = max(chunk.fk.shape[-1], chunk.lk.shape[-1]), chunk.lk.shape[-1]
   if state is None:
     carry = empty_carry(B, K, M, M_log, D, dtype)
   else:
-    carry = _to_carry(state, state_cls, p, M, M_log, dtype, fn)
-  out, carry = attend(read, eps, carry, fq, lq, fk, lk, v, is_causal=is_causal,
-                      implementation=implementation, chunk_size=chunk_size)
+    carry = _to_carry(state, family.state_cls, p, M, M_log, dtype, fn=fn)
+  out, carry = attend(config, carry, chunk, is_causal=is_causal, implementation=implementation,
+                      chunk_size=chunk_size)
   out = out.transpose(0, 3, 1, 2, 4).reshape(B, T, N, D).astype(p.query.dtype)
-  return p.restore(out), _from_carry(carry, state_cls, p.batched)
+  return p.restore(out), _from_carry(carry, family.state_cls, p.batched)

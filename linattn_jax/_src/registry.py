@@ -18,6 +18,11 @@ import inspect
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
+import jax
+import jax.numpy as jnp
+
+from linattn_jax._src import checks
+
 
 class AttentionFn(Protocol):
   """The uniform signature every registered attention has, as :func:`get_attention` returns it.
@@ -110,11 +115,62 @@ class ParamSpec:
       ``rng`` and head dim H (options filtered by name, see :func:`accepted`).
     names: the keys of ``init``'s result, i.e. the array options.
     trainable: learned by gradient, or drawn at random and only redrawn.
+    option: the function's option the arrays become, ``option=build(arrays)``
+      (e.g. a feature map); None: each array is passed by its name.
+    build: with ``option``, ``build({name: array}) -> value``.
   """
 
   init: Callable[..., Mapping[str, Any]]
   names: tuple[str, ...]
   trainable: bool
+  option: str | None = None
+  build: Callable[[Mapping[str, Any]], Any] | None = None
+
+  def bind(self, fn: Callable[..., Any], *, head_dim_at: int = 0) -> Callable[..., Any]:
+    """``fn`` taking these arrays as options, drawn by ``init`` when they are left out.
+
+    The result takes the arrays by ``names`` (all or none), ``rng`` (a seed
+    or PRNG key for the draw; None: 0) and ``init``'s keyword options. H is
+    the last axis of the positional argument at ``head_dim_at`` (the query or
+    the key). One function serves every entry point of a variant (function,
+    oracle, streaming, weights), so its arrays are built in one place.
+
+    Raises:
+      ValueError: (from the result) for some arrays but not all, arrays with
+        ``rng``, or arrays whose shapes disagree with the given ``init`` options.
+    """
+    signature = inspect.signature(fn)
+    init_options = [p for p in inspect.signature(self.init).parameters.values()
+                    if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    name = getattr(getattr(fn, "func", fn), "__name__", "attention")
+
+    def with_arrays(*args: Any, rng: Any = None, **options: Any) -> Any:
+      arrays = {n: options.pop(n) for n in self.names if n in options}
+      drawn = {p.name: options.pop(p.name) for p in init_options if p.name in options}
+      head_dim = jnp.shape(args[head_dim_at])[-1]
+      init = functools.partial(self.init, head_dim=head_dim, **drawn)
+      if not arrays:
+        arrays = init(checks.prng_key(rng))
+      elif rng is not None or len(arrays) != len(self.names):
+        raise ValueError(f"{name}: give all of {list(self.names)} or none (then they are "
+                         "drawn from `rng`); not `rng` with them.")
+      elif drawn:
+        want = {n: x.shape for n, x in jax.eval_shape(init, jax.random.key(0)).items()}
+        got = {n: jnp.shape(x) for n, x in arrays.items()}
+        if got != want:
+          raise ValueError(f"{name}: {drawn} disagrees with the arrays' shapes {got} (it "
+                           f"draws {want}); give one of them.")
+      if self.option is not None:
+        arrays = {self.option: self.build(arrays)}
+      return fn(*args, **arrays, **options)
+
+    hidden = set(self.names) | {self.option}
+    extra = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=None)
+             for n in ("rng", *self.names)] + init_options
+    kept = [p for p in signature.parameters.values() if p.name not in hidden]
+    with_arrays.__signature__ = signature.replace(parameters=kept + extra)
+    with_arrays.__name__ = name
+    return with_arrays
 
 
 @dataclasses.dataclass(frozen=True)

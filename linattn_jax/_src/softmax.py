@@ -152,7 +152,7 @@ def softmax_attention(
     implementation = "flash" if big and not general and aligned else "xla"
   if implementation == "flash":
     checks.reject_unsupported(
-        fn, "flash", bias=a.bias, mask=a.mask, local_window_size=a.window,
+        "flash", fn=fn, bias=a.bias, mask=a.mask, local_window_size=a.window,
         return_residual=return_residual,
         causal_alignment=None if aligned or not a.is_causal else causal_alignment)
     return a.prepared.restore(flash_attention_4d(

@@ -230,8 +230,8 @@ class LocalState(NamedTuple):
   position: jax.Array  # [] int32: tokens seen so far.
 
 
-def init_local_state(batch: int, window_size: Any, num_kv_heads: int, head_dim: int,
-                     value_dim: int, dtype: Any = jnp.float32) -> LocalState:
+def init_local_state(batch: int, num_kv_heads: int, head_dim: int, value_dim: int,
+                     dtype: Any = jnp.float32, *, window_size: Any) -> LocalState:
   """Empty :class:`LocalState` for causal :func:`local_attention_step`.
 
   Zeros ``keys [B, W, K, H]`` and ``values [B, W, K, D]`` with W = left + 1,
@@ -240,12 +240,12 @@ def init_local_state(batch: int, window_size: Any, num_kv_heads: int, head_dim: 
 
   Args:
     batch: B.
-    window_size: int or ``(left, right)``, as in :func:`local_attention`
-      (``right`` is ignored: decoding is causal).
     num_kv_heads: K.
     head_dim: H.
     value_dim: D.
     dtype: the dtype of the cached keys and values (that of the inputs).
+    window_size: int or ``(left, right)``, as in :func:`local_attention`
+      (``right`` is ignored: decoding is causal).
 
   Returns:
     A :class:`LocalState`.
@@ -255,13 +255,14 @@ def init_local_state(batch: int, window_size: Any, num_kv_heads: int, head_dim: 
       is not a positive int.
 
   Examples:
-    >>> state = la.init_local_state(1, (3, 0), num_kv_heads=2, head_dim=4, value_dim=5)
+    >>> state = la.init_local_state(1, num_kv_heads=2, head_dim=4, value_dim=5, window_size=(3, 0))
     >>> state.keys.shape, state.values.shape, int(state.position)
     ((1, 4, 2, 4), (1, 4, 2, 5), 0)
   """
   left, _ = masks_lib.normalize_window(window_size, fn="init_local_state")
-  B, K, H, D = checks.positive_sizes("init_local_state", batch=batch, num_kv_heads=num_kv_heads,
-                                     head_dim=head_dim, value_dim=value_dim)
+  B, K, H, D = checks.positive_sizes(
+      batch=batch, num_kv_heads=num_kv_heads, head_dim=head_dim, value_dim=value_dim,
+      fn="init_local_state")
   W = left + 1
   return LocalState(jnp.zeros((B, W, K, H), dtype), jnp.zeros((B, W, K, D), dtype),
                     jnp.zeros((), jnp.int32))
@@ -300,7 +301,7 @@ def local_attention_step(state: LocalState, query: jax.Array, key: jax.Array, va
     >>> x = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))  # [B, T, N=K, H=D]
     >>> def step(state, x_t):
     ...   return la.local_attention_step(state, x_t, x_t, x_t)
-    >>> empty = la.init_local_state(1, (2, 0), 2, 4, 4)
+    >>> empty = la.init_local_state(1, 2, 4, 4, window_size=(2, 0))
     >>> state, outs = jax.lax.scan(step, empty, x.swapaxes(0, 1))
     >>> full = la.local_attention(x, x, x, window_size=(2, 0), is_causal=True)
     >>> bool(jnp.allclose(outs.swapaxes(0, 1), full, atol=1e-5))
@@ -699,7 +700,7 @@ def _example_layout(num_q_blocks: int, num_k_blocks: int) -> np.ndarray:
 
 def _init_local_like(query, key, value, *, window_size):
   B, _, K, H = key.shape
-  return init_local_state(B, window_size, K, H, value.shape[-1], key.dtype)
+  return init_local_state(B, K, H, value.shape[-1], key.dtype, window_size=window_size)
 
 
 def _spec(name: str, function: Callable[..., Any], pattern_options: dict[str, Any],
