@@ -39,6 +39,22 @@ DEFAULT_ATTENTIONS = ("softmax", "linear_elu", "performer", "local")
 DEFAULT_OPTIONS = '{"local": {"window_size": [16, 0]}}'
 
 
+def entry_options(entries: Sequence[str], written: str | None) -> dict[str, Any]:
+  """The options of each entry: ``DEFAULT_OPTIONS`` for the entries that run, then those the
+  user ``written`` (JSON). Defaults for entries that do not run are ignored; written options
+  for an entry that does not run are an error."""
+  names = set(entries) | {attention_name(a) for a in entries}
+  try:
+    options = json.loads(written or "{}")
+  except json.JSONDecodeError as e:
+    raise app.UsageError(f"--options_by_attention is not JSON: {e}") from e
+  if not isinstance(options, dict) or set(options) - names:
+    raise app.UsageError("--options_by_attention must be a JSON object keyed by entries of "
+                         f"--attentions; got {written}.")
+  defaults = {k: v for k, v in json.loads(DEFAULT_OPTIONS).items() if k in names}
+  return {k: {**defaults.get(k, {}), **options.get(k, {})} for k in defaults.keys() | options}
+
+
 def attention_name(entry: str) -> str:
   """The registered name of a ``name`` or ``name@label`` entry."""
   return entry.split("@", 1)[0]
@@ -142,19 +158,11 @@ def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   entries = common.ATTENTIONS.value or list(DEFAULT_ATTENTIONS)
-  options_json = common.OPTIONS_BY_ATTENTION.value or DEFAULT_OPTIONS
   unknown = [a for a in entries if attention_name(a) not in la.available_attentions()]
   if unknown:
     raise app.UsageError(f"--attentions {unknown} are unknown; available: "
                          f"{la.available_attentions()}.")
-  try:
-    options = json.loads(options_json)
-  except json.JSONDecodeError as e:
-    raise app.UsageError(f"--options_by_attention is not JSON: {e}") from e
-  if not isinstance(options, dict) or set(options) - set(entries) - {
-      attention_name(a) for a in entries}:
-    raise app.UsageError("--options_by_attention must be a JSON object keyed by entries of "
-                         f"--attentions; got {options_json}.")
+  options = entry_options(entries, common.OPTIONS_BY_ATTENTION.value)
   base = train.config_from_flags()
   train.quiet_orbax()
   rows = compare(base, entries, options)

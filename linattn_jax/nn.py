@@ -8,8 +8,10 @@ from linattn_jax._src.layers import (
     as_flax_attention_fn,
     cache_kind,
 )
+from linattn_jax._src.registry import CacheKind
 
 __all__ = [
+    "CacheKind",
     "FeatureProjection",
     "KVCache",
     "MultiHeadAttention",

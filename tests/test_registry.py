@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from _helpers import SHAPES, make_qkv
@@ -50,3 +51,20 @@ def test_names_register_once():
   with pytest.raises(ValueError, match="already registered"):
     la.register_attention(la.get_spec("softmax"))
 
+
+
+def test_a_spec_names_its_extra_per_token_inputs_and_calls_without_them_fail():
+  """``extra_inputs`` (gates, betas): keyword arguments of every call, never options."""
+  def gated(query, key, value, *, log_decay, is_causal=False, key_value_seq_lengths=None):
+    return la.softmax_attention(query, key, value * jnp.exp(log_decay)[..., None],
+                                is_causal=is_causal)
+
+  spec = la.AttentionSpec(name="gated_example", function=gated, reference=gated,
+                          extra_inputs=(("log_decay", "[B, S, K]"),))
+  fn = spec.build()
+  x = jnp.ones((1, 4, 2, 3))
+  assert fn(x, x, x, log_decay=jnp.zeros((1, 4, 2))).shape == (1, 4, 2, 3)
+  with pytest.raises(ValueError, match=r"gated_example: each call needs .*log_decay \[B, S, K\]"):
+    fn(x, x, x)
+  with pytest.raises(ValueError, match="log_decay.*passed at call time"):
+    spec.build(log_decay=jnp.zeros((1, 4, 2)))

@@ -206,6 +206,19 @@ def test_compare_checks_every_entry_before_training(tmp_path):
   assert not any(tmp_path.iterdir())
 
 
+def test_compare_defaults_apply_to_the_entries_that_run():
+  """Built-in options (local's window) apply when local runs and are ignored when it does not;
+  options the user wrote for an entry that does not run are an error."""
+  from experiments import compare
+
+  assert compare.entry_options(["softmax", "linear_elu"], None) == {}
+  assert compare.entry_options(["local", "softmax"], None) == {"local": {"window_size": [16, 0]}}
+  assert compare.entry_options(["local"], '{"local": {"window_size": [4, 0]}}') == {
+      "local": {"window_size": [4, 0]}}
+  with pytest.raises(app.UsageError, match="keyed by entries of --attentions"):
+    compare.entry_options(["softmax"], '{"local": {"window_size": [4, 0]}}')
+
+
 def test_decoding_with_a_short_convolution_equals_the_full_pass():
   from flax import nnx
 

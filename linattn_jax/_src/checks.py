@@ -222,7 +222,7 @@ def compiled(*static_argnames: str) -> Callable[[Callable[..., Any]], Callable[.
     def wrapper(*args: Any, **kwargs: Any) -> Any:
       for name in static_argnames:
         if name in kwargs:
-          kwargs[name] = _static_option(kwargs[name], name=name, fn=fn.__name__)
+          kwargs[name] = static_option(kwargs[name], name=name, fn=fn.__name__)
       return jitted(*args, **kwargs)
 
     return wrapper
@@ -230,12 +230,12 @@ def compiled(*static_argnames: str) -> Callable[[Callable[..., Any]], Callable[.
   return decorate
 
 
-def _static_option(value: Any, *, name: str, fn: str) -> Any:
+def static_option(value: Any, *, name: str, fn: str) -> Any:
   if name == "is_causal":
     return check_static_bool(value, name=name, fn=fn)
   _reject_traced(value, name=name, fn=fn)
   if isinstance(value, list | tuple):
-    return tuple(_static_option(x, name=name, fn=fn) for x in value)
+    return tuple(static_option(x, name=name, fn=fn) for x in value)
   if isinstance(value, np.ndarray | jax.Array):
     return StaticArray.of(value)
   return value

@@ -25,6 +25,7 @@ from jax.typing import ArrayLike
 
 from linattn_jax._src import checks
 from linattn_jax._src import masks as masks_lib
+from linattn_jax._src.online_softmax import online_softmax_finish, softmax_block
 
 
 class Args(NamedTuple):
@@ -120,11 +121,7 @@ def scores(a: Args) -> jax.Array:
 
 def weights(a: Args) -> jax.Array:
   """The softmax weights ``[B, N, T, S]`` (accumulation dtype); a row with no key is zeros."""
-  s = scores(a)
-  m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
-  p = jnp.exp(s - jnp.where(m == -jnp.inf, 0.0, m))
-  l = jnp.sum(p, axis=-1, keepdims=True)
-  return p / jnp.where(l == 0.0, 1.0, l)
+  return online_softmax_finish(softmax_block(scores(a), lambda p: p))[0]
 
 
 def apply_weights(a: Args, w: jax.Array) -> jax.Array:

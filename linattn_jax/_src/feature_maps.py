@@ -106,9 +106,6 @@ def elu_plus_one(x: jax.Array, *, is_query: bool = False) -> jax.Array:
   Returns:
     ``[..., H]`` positive features.
 
-  Raises:
-    ValueError: not raised here: any array is mapped elementwise.
-
   Examples:
     >>> x = jnp.array([-10.0, 0.0, 2.0], jnp.bfloat16)
     >>> phi = feature_maps.elu_plus_one(x)
@@ -138,9 +135,6 @@ def relu(x: jax.Array, *, is_query: bool = False) -> jax.Array:
   Returns:
     ``[..., H]`` non-negative features.
 
-  Raises:
-    ValueError: not raised here: any array is mapped elementwise.
-
   Examples:
     >>> x = jnp.array([[-1.0, -2.0], [1.0, -3.0]])  # [T, H]: query 0 has no feature.
     >>> bool(jnp.array_equal(feature_maps.relu(x), jnp.maximum(x, 0)))
@@ -169,9 +163,6 @@ def exp(x: jax.Array, *, is_query: bool = False) -> jax.Array:
 
   Returns:
     ``[..., H]`` positive features.
-
-  Raises:
-    ValueError: not raised here: any array is mapped elementwise.
 
   Examples:
     >>> x = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))

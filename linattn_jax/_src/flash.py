@@ -48,8 +48,12 @@ DEFAULT_BLOCK_Q = 512
 DEFAULT_BLOCK_K = 512
 
 @dataclasses.dataclass(frozen=True)
-class _Config:
-  """Static description of one flash call (hashable: a custom_vjp nondiff arg)."""
+class FlashConfig:
+  """Static description of one flash call (hashable: a custom_vjp nondiff arg).
+
+  With :func:`forward` and :func:`backward`, the blockwise kernel that ring
+  attention (``parallel.py``) runs on each device's block of keys.
+  """
 
   T: int
   S: int
@@ -104,15 +108,16 @@ class _Config:
     return lo, hi
 
 
-def _scores(cfg: _Config, q_blk, k_blk, i, j, q_len, kv_len) -> jax.Array:
+def _scores(cfg: FlashConfig, q_blk, k_blk, i, j, q_len, kv_len) -> jax.Array:
   """Masked, scaled scores (accumulation dtype) ``[B, K, G, bq, bk]`` of one block pair."""
   acc = checks.accumulation_dtype(q_blk.dtype)
   s = jnp.einsum("bkgqh,bkch->bkgqc", q_blk.astype(acc), k_blk.astype(acc))
   return jnp.where(cfg.block_mask(i, j, q_len, kv_len), s * cfg.scale, -jnp.inf)
 
 
-def _forward(cfg: _Config, q, k, v, q_len, kv_len):
-  """Returns output ``[B, K, G, T, D]`` (input dtype) and lse ``[B, K, G, T]``."""
+def forward(cfg: FlashConfig, q, k, v, q_len, kv_len):
+  """Output ``[B, K, G, T, D]`` (input dtype) and its log-sum-exp ``[B, K, G, T]`` from
+  ``q [B, K, G, T, H]``, ``k [B, K, S, H]``, ``v [B, K, S, D]`` and optional lengths."""
   B, K, G, _, _ = q.shape
   D = v.shape[-1]
   acc = checks.accumulation_dtype(q.dtype)
@@ -139,7 +144,9 @@ def _forward(cfg: _Config, q, k, v, q_len, kv_len):
   return merge_blocks(out, 3, cfg.T).astype(q.dtype), merge_blocks(lse, 3, cfg.T)
 
 
-def _backward(cfg: _Config, residuals, d_out):
+def backward(cfg: FlashConfig, residuals, d_out):
+  """``(dq, dk, dv, None, None)`` from ``residuals = (q, k, v, out, lse, q_len, kv_len)``
+  (FlashAttention-2's backward: P recomputed per block pair from the saved lse)."""
   q, k, v, out, lse, q_len, kv_len = residuals
   acc = checks.accumulation_dtype(q.dtype)
   # delta_t = rowsum(dO ∘ O) = sum_j P_tj dP_tj, the softmax-Jacobian term.
@@ -186,16 +193,16 @@ def _backward(cfg: _Config, residuals, d_out):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(cfg: _Config, q, k, v, q_len, kv_len):
-  return _forward(cfg, q, k, v, q_len, kv_len)[0]
+def _flash(cfg: FlashConfig, q, k, v, q_len, kv_len):
+  return forward(cfg, q, k, v, q_len, kv_len)[0]
 
 
-def _flash_fwd(cfg: _Config, q, k, v, q_len, kv_len):
-  out, lse = _forward(cfg, q, k, v, q_len, kv_len)
+def _flash_fwd(cfg: FlashConfig, q, k, v, q_len, kv_len):
+  out, lse = forward(cfg, q, k, v, q_len, kv_len)
   return out, (q, k, v, out, lse, q_len, kv_len)
 
 
-_flash.defvjp(_flash_fwd, _backward)
+_flash.defvjp(_flash_fwd, backward)
 
 
 def flash_attention_4d(
@@ -214,7 +221,7 @@ def flash_attention_4d(
   B, T, N, H = query.shape
   _, S, K, D = value.shape
   G = N // K
-  cfg = _Config(
+  cfg = FlashConfig(
       T=T, S=S, block_q=min(block_q, T), block_k=min(block_k, S),
       is_causal=bool(is_causal), scale=float(scale),
   )
@@ -305,5 +312,6 @@ register_attention(AttentionSpec(
     function=flash_attention,
     reference=softmax_attention_reference,
     how_options=frozenset({"block_q", "block_k"}),
+    full_softmax=True,
     test_options={"block_q": 4, "block_k": 8},
 ))

@@ -40,9 +40,9 @@ from flax.typing import DotGeneralT, Dtype, Initializer, PrecisionLike, PromoteD
 from jax import lax
 
 from linattn_jax._src import checks, dense
-from linattn_jax._src.online_softmax import safe_divide
+from linattn_jax._src.online_softmax import merge, online_softmax_finish, softmax_block
 from linattn_jax._src.parallel import ContextParallel
-from linattn_jax._src.registry import AttentionSpec, accepted, get_spec
+from linattn_jax._src.registry import AttentionSpec, CacheKind, accepted, get_spec
 
 default_kernel_init = initializers.lecun_normal()
 default_bias_init = initializers.zeros_init()
@@ -50,7 +50,6 @@ default_bias_init = initializers.zeros_init()
 # Options the layer owns: it passes them itself (state, call arguments); so too a
 # variant's own arrays and the seed `rng` they would otherwise be drawn from.
 _LAYER_OWNED = ("initial_state", "return_state", "is_causal", "key_value_seq_lengths")
-_POSITION_INVARIANT = ("softmax", "flash")  # A prefill from position 0 is the plain causal call.
 # Sparse patterns decode through their dense [C, C] pattern on a sequence of the
 # cache's capacity C (a compile-time constant of C² bytes): capped here.
 MAX_PATTERN_CAPACITY = 8192
@@ -133,8 +132,8 @@ class StateCache(NamedTuple):
   index: jax.Array  # [] int32: positions decoded so far.
 
 
-def cache_kind(attention: str) -> str:
-  """``"recurrent"``, ``"window"`` or ``"kv"``: what ``attention``'s decode cache holds.
+def cache_kind(attention: str) -> CacheKind:
+  """What ``attention``'s decode cache holds: a :class:`CacheKind` (``"kv"``, ``"window"``, ...).
 
   Takes no arrays. ``"recurrent"``: a fixed-size state (e.g. ``[B, K, M, H]``
   and its normaliser) in a :class:`StateCache`; ``"window"``: local's ring
@@ -149,13 +148,12 @@ def cache_kind(attention: str) -> str:
     ValueError: for a name that is not registered.
 
   Examples:
-    >>> [nn.cache_kind(name) for name in ("softmax", "local", "linear_elu")]
+    >>> [nn.cache_kind(name).value for name in ("softmax", "local", "linear_elu")]
     ['kv', 'window', 'recurrent']
+    >>> nn.cache_kind("softmax") == "kv"
+    True
   """
-  streaming = get_spec(attention).streaming
-  if streaming is None:
-    return "kv"
-  return "recurrent" if streaming.state_passing else "window"
+  return get_spec(attention).cache_kind
 
 
 class MultiHeadAttention(nnx.Module):
@@ -305,8 +303,8 @@ class MultiHeadAttention(nnx.Module):
     self.deterministic, self.decode = deterministic, decode
     self.use_bias, self.normalize_qk = use_bias, normalize_qk
     self.attention = attention
-    self.attention_options = _check_attention_options(attention, attention_options or {})
-    spec = get_spec(attention)
+    self._spec = spec = get_spec(attention)  # Resolved once; the layer asks it, not the name.
+    self.attention_options = _check_attention_options(spec, attention_options or {})
     if attention_fn is not None and (attention != "softmax" or self.attention_options):
       raise ValueError(f"{fn}: attention_fn replaces the registered attention; it cannot be "
                        f"combined with attention={attention!r} or attention_options.")
@@ -355,10 +353,6 @@ class MultiHeadAttention(nnx.Module):
     self.rngs = rngs.dropout.fork() if keep_rngs and dropout_rate > 0 else None
     self.cache = nnx.data(None)
     self.cache_batch_shape: tuple[int, ...] = ()
-
-  @property
-  def _spec(self) -> AttentionSpec:
-    return get_spec(self.attention)
 
   # -- variant-owned arrays ---------------------------------------------------
 
@@ -615,7 +609,7 @@ class MultiHeadAttention(nnx.Module):
     dtype = jnp.dtype(dtype)
     N, K, H = self.num_heads, self.num_kv_heads, self.head_dim
     zero = jnp.zeros((), jnp.int32)
-    if self.attention_fn is not None or cache_kind(self.attention) == "kv":
+    if self.attention_fn is not None or self._spec.cache_kind is CacheKind.KV:
       cache = KVCache(jnp.zeros((B, K, C, H), dtype), jnp.zeros((B, K, C, H), dtype), zero)
     else:
       streaming = self._spec.streaming
@@ -685,7 +679,7 @@ class MultiHeadAttention(nnx.Module):
       if mask is not None:
         raise ValueError(f"MultiHeadAttention: attention={self.attention!r} decodes from a "
                          "state and cannot honour a `mask`.")
-      cache, out = _state_decode(self._spec, cache_kind(self.attention), cache, q, k, v,
+      cache, out = _state_decode(self._spec, cache, q, k, v,
                                  self._options())
     self.cache.set_value(cache)
     return out
@@ -718,8 +712,7 @@ def _flat_mask(mask: Any, batch: tuple[int, ...]) -> jax.Array | None:
   return mask.reshape((math.prod(batch),) + mask.shape[len(batch):])
 
 
-def _check_attention_options(attention: str, options: Mapping[str, Any]) -> dict[str, Any]:
-  spec = get_spec(attention)
+def _check_attention_options(spec: AttentionSpec, options: Mapping[str, Any]) -> dict[str, Any]:
   arrays = () if spec.params is None else spec.params.names + ("rng",)
   owned = [o for o in options if o in _LAYER_OWNED or o in arrays]
   if owned:
@@ -768,7 +761,7 @@ def _kv_decode(spec: AttentionSpec, cache: KVCache, q, k, v, options: Mapping[st
     new = new & lax.dynamic_slice_in_dim(padded, index, T, axis=-1)
   scale = checks.resolve_scale(options.get("scale"), H)
   read = lambda: _cached_read(q, (cache.key, k), (cache.value, v), (old, new), scale)  # noqa: E731
-  if spec.name in _POSITION_INVARIANT and T > 1 and mask is None:
+  if spec.full_softmax and T > 1 and mask is None:
     fresh = lambda: spec.function(q, k, v, is_causal=True, **options)  # noqa: E731
     out = lax.cond(index == 0, fresh, read)  # A prompt from position 0 needs no cache read.
   else:
@@ -801,16 +794,15 @@ def _cached_read(q: jax.Array, keys: tuple[jax.Array, jax.Array],
                  preferred_element_type=f32),
       jnp.einsum("btkgh,bskh->bkgts", qg, keys[1].astype(q.dtype), preferred_element_type=f32),
   )
-  scores = [jnp.where(grouped(m), s * scale, -jnp.inf) for s, m in zip(scores, masks,
-                                                                      strict=True)]
-  m = jnp.maximum(*(jnp.max(s, axis=-1, keepdims=True) for s in scores))
-  p = [jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)) for s in scores]
   # Batch dims first in the output: XLA:CPU then multiplies in place (3x faster here).
-  out = (jnp.einsum("bkgtc,bkch->bkgth", p[0].astype(values[0].dtype), values[0],
-                    preferred_element_type=f32)
-         + jnp.einsum("bkgts,bskh->bkgth", p[1], values[1].astype(f32),
-                      preferred_element_type=f32))
-  out = safe_divide(out, sum(jnp.sum(x, axis=-1, keepdims=True) for x in p))  # [B, K, G, T, H]
+  weighted_sums = (
+      lambda p: jnp.einsum("bkgtc,bkch->bkgth", p.astype(values[0].dtype), values[0],
+                           preferred_element_type=f32),
+      lambda p: jnp.einsum("bkgts,bskh->bkgth", p, values[1].astype(f32),
+                           preferred_element_type=f32))
+  cached, fresh = (softmax_block(jnp.where(grouped(m), x * scale, -jnp.inf), weighted_sum)
+                   for x, m, weighted_sum in zip(scores, masks, weighted_sums, strict=True))
+  out, _ = online_softmax_finish(merge(cached, fresh))  # [B, K, G, T, H]
   return out.transpose(0, 3, 1, 2, 4).reshape(B, T, N, H).astype(q.dtype)
 
 
@@ -837,7 +829,7 @@ def _pattern_rows(spec: AttentionSpec, C: int, index: jax.Array, T: int,
   return lax.dynamic_slice_in_dim(dense_, index, T, axis=-2)
 
 
-def _state_decode(spec: AttentionSpec, kind: str, cache: StateCache, q, k, v,
+def _state_decode(spec: AttentionSpec, cache: StateCache, q, k, v,
                   options: Mapping[str, Any]) -> tuple[StateCache, jax.Array]:
   """Advances a streaming state by T positions: one step, a stateful pass, or a scan.
 
@@ -848,7 +840,7 @@ def _state_decode(spec: AttentionSpec, kind: str, cache: StateCache, q, k, v,
   step_options = accepted(streaming.step, options)
   T = q.shape[1]
   dtype = q.dtype
-  if kind == "window":
+  if spec.cache_kind is CacheKind.WINDOW:
     q, k, v = (x.astype(jax.tree.leaves(cache.state)[0].dtype) for x in (q, k, v))
 
   def steps(state):
@@ -863,7 +855,7 @@ def _state_decode(spec: AttentionSpec, kind: str, cache: StateCache, q, k, v,
 
   if T == 1:
     state, out = steps(cache.state)
-  elif kind == "recurrent":
+  elif spec.cache_kind is CacheKind.RECURRENT:
     out, state = spec.function(q, k, v, is_causal=True, initial_state=cache.state,
                                return_state=True, **options)
   else:  # A ring buffer: a prompt from position 0 is one blocked pass, later chunks scan.

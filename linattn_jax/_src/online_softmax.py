@@ -90,32 +90,48 @@ def logaddexp(a: jax.Array, b: jax.Array) -> jax.Array:
   return safe_log(jnp.exp(a - m) + jnp.exp(b - m)) + m
 
 
+def softmax_block(scores: jax.Array,
+                  weighted_sum: Callable[[jax.Array], jax.Array]) -> SoftmaxCarry:
+  """The carry of one block of scores ``[..., R, C]`` (``-inf`` where masked).
+
+  ``weighted_sum`` maps the block's probabilities ``exp(s - m)`` ``[..., R, C]``
+  to their value-weighted sum ``[..., R, D]``, e.g. an einsum with the value
+  block (the identity gives the weights themselves: a softmax is
+  ``online_softmax_finish(softmax_block(s, lambda p: p))[0]``).
+  """
+  row_max = jax.lax.stop_gradient(jnp.max(scores, axis=-1))  # The result does not depend on it.
+  probs = jnp.exp(scores - exponent_shift(row_max)[..., None])
+  return SoftmaxCarry(row_max, jnp.sum(probs, axis=-1), weighted_sum(probs))
+
+
+def merge(a: SoftmaxCarry, b: SoftmaxCarry) -> SoftmaxCarry:
+  """The carry of ``a``'s keys and ``b``'s together: both rescaled to the larger running max.
+
+  ``m = max(m_a, m_b)``, ``l = l_a e^(m_a - m) + l_b e^(m_b - m)``, likewise the
+  accumulators. The one online-softmax merge: flash's blocks, a KV cache read
+  with the new chunk, ring attention's devices. Associative; a side that saw
+  no key (``m = -inf``) weighs 0.
+  """
+  row_max = jax.lax.stop_gradient(jnp.maximum(a.row_max, b.row_max))
+  shift = exponent_shift(row_max)
+  wa, wb = jnp.exp(a.row_max - shift), jnp.exp(b.row_max - shift)
+  return SoftmaxCarry(row_max, a.row_sum * wa + b.row_sum * wb,
+                      a.acc * wa[..., None] + b.acc * wb[..., None])
+
+
+def from_output(out: jax.Array, lse: jax.Array) -> SoftmaxCarry:
+  """The carry of a finished softmax: ``out [..., R, D]`` and its log-sum-exp ``[..., R]``."""
+  seen = (lse > -jnp.inf).astype(out.dtype)
+  return SoftmaxCarry(lse, seen, out * seen[..., None])
+
+
 def online_softmax_update(
     carry: SoftmaxCarry,
     scores: jax.Array,
     weighted_sum: Callable[[jax.Array], jax.Array],
 ) -> SoftmaxCarry:
-  """Folds one block of scores into the carry.
-
-  Args:
-    carry: the running state.
-    scores: ``[..., R, C]`` float32 (or float64) scores of C keys, ``-inf`` where masked.
-    weighted_sum: maps probabilities ``[..., R, C]`` (float32) to their
-      value-weighted sum ``[..., R, D]``, e.g. an einsum with the value block.
-
-  Returns:
-    The updated carry.
-  """
-  # The result does not depend on the shift, so no gradient flows through it.
-  new_max = jax.lax.stop_gradient(jnp.maximum(carry.row_max, jnp.max(scores, axis=-1)))
-  shift = exponent_shift(new_max)
-  correction = jnp.exp(carry.row_max - shift)  # 0 where nothing was seen.
-  probs = jnp.exp(scores - shift[..., None])
-  return SoftmaxCarry(
-      row_max=new_max,
-      row_sum=carry.row_sum * correction + jnp.sum(probs, axis=-1),
-      acc=carry.acc * correction[..., None] + weighted_sum(probs),
-  )
+  """Folds one block of scores into the carry: ``merge(carry, softmax_block(...))``."""
+  return merge(carry, softmax_block(scores, weighted_sum))
 
 
 def online_softmax_finish(carry: SoftmaxCarry) -> tuple[jax.Array, jax.Array]:

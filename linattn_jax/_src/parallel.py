@@ -63,7 +63,13 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from linattn_jax._src import checks, flash
-from linattn_jax._src.online_softmax import exponent_shift, safe_divide
+from linattn_jax._src.online_softmax import (
+    SoftmaxCarry,
+    from_output,
+    init_softmax_carry,
+    merge,
+    online_softmax_finish,
+)
 from linattn_jax._src.registry import accepted, available_attentions, get_spec
 
 _RESERVED = ("initial_state", "return_state", "key_value_seq_lengths", "is_causal")
@@ -79,9 +85,6 @@ def recurrent_attentions() -> list[str]:
 
   Returns:
     A sorted list of registered names.
-
-  Raises:
-    ValueError: never.
 
   Examples:
     >>> names = parallel.recurrent_attentions()
@@ -186,6 +189,11 @@ def _reorder(x: jax.Array, axis_name: Any, P_: int, inverse: bool) -> jax.Array:
 # ----------------------------------------------------------- recurrent variants ---
 
 
+def _full_softmax() -> list[str]:
+  """The registered exact softmax variants (ring attention runs them)."""
+  return [name for name in available_attentions() if get_spec(name).full_softmax]
+
+
 def _shift(x: Any, empty: Any, distance: int, axis_name: Any, P_: int) -> Any:
   """What device ``i - distance`` holds (``empty`` on devices ``i < distance``)."""
   i = lax.axis_index(axis_name)
@@ -286,7 +294,7 @@ def context_parallel_attention(
   is_causal = checks.check_static_bool(is_causal, name="is_causal", fn=fn)
   _axis_size(mesh, axis_name, fn)
   arrays, static = _split_arrays(options)
-  static = tuple(sorted((k, checks._static_option(v, name=k, fn=fn)) for k, v in static.items()))
+  static = tuple(sorted((k, checks.static_option(v, name=k, fn=fn)) for k, v in static.items()))
   return _context_parallel(query, key, value, key_value_seq_lengths, arrays, attention=attention,
                            mesh=mesh, axis_name=axis_name, is_causal=is_causal, static=static)
 
@@ -377,9 +385,9 @@ class _Ring:
       return (_Block((0, L), (0, L), False),), ()
     return (_Block((0, L), (0, c), False),), (_Block((c, L), (0, L), False),)
 
-  def flash_config(self, block: _Block) -> flash._Config:
+  def flash_config(self, block: _Block) -> flash.FlashConfig:
     T, S = block.rows[1] - block.rows[0], block.keys[1] - block.keys[0]
-    return flash._Config(T=T, S=S, block_q=min(self.block_q, T), block_k=min(self.block_k, S),
+    return flash.FlashConfig(T=T, S=S, block_q=min(self.block_q, T), block_k=min(self.block_k, S),
                          is_causal=block.causal, scale=self.scale)
 
 
@@ -400,28 +408,17 @@ def _kv_lengths(ring: _Ring, block: _Block, j, lengths) -> jax.Array:
   return jnp.sum(pos[None, :] < lengths[:, None], axis=-1).astype(jnp.int32)
 
 
-def _merge(out_a, lse_a, out_b, lse_b):
-  """Two softmax results over disjoint keys as one: weights ``exp(lse - lse_total)``."""
-  shift = exponent_shift(jnp.maximum(lse_a, lse_b))
-  wa, wb = jnp.exp(lse_a - shift), jnp.exp(lse_b - shift)
-  total = wa + wb
-  out = safe_divide(wa[..., None] * out_a + wb[..., None] * out_b, total[..., None])
-  lse = jnp.where(total == 0, -jnp.inf, shift + jnp.log(jnp.where(total == 0, 1, total)))
-  return out, lse
-
-
-def _attend(ring: _Ring, blocks: tuple[_Block, ...], j, q, k, v, lengths):
-  """``(out [B,K,G,L,D], lse [B,K,G,L])`` of the local queries against device j's keys."""
+def _attend(ring: _Ring, blocks: tuple[_Block, ...], j, q, k, v, lengths) -> SoftmaxCarry:
+  """The online-softmax carry ``[B, K, G, L]`` of the local queries against device j's keys."""
   B, K, G, L, _ = q.shape
-  out = jnp.zeros_like(q, shape=(B, K, G, L, v.shape[-1]))  # *_like: device-varying.
-  lse = jnp.full_like(q, -jnp.inf, shape=(B, K, G, L))
+  carry = init_softmax_carry((B, K, G, L), v.shape[-1], q.dtype, like=q)  # Device-varying.
   for block in blocks:
-    o, s = flash._forward(ring.flash_config(block), _rows(q, block.rows, 3),
-                          _rows(k, block.keys, 2), _rows(v, block.keys, 2), None,
-                          _kv_lengths(ring, block, j, lengths))
-    out, lse = _merge(out, lse, _place(o, block.rows, L, 3, 0), _place(s, block.rows, L, 3,
-                                                                      -jnp.inf))
-  return out, lse
+    o, s = flash.forward(ring.flash_config(block), _rows(q, block.rows, 3),
+                         _rows(k, block.keys, 2), _rows(v, block.keys, 2), None,
+                         _kv_lengths(ring, block, j, lengths))
+    carry = merge(carry, from_output(_place(o, block.rows, L, 3, 0),
+                                     _place(s, block.rows, L, 3, -jnp.inf)))
+  return carry
 
 
 def _gradients(ring: _Ring, blocks: tuple[_Block, ...], j, q, k, v, out, lse, d_out, lengths):
@@ -432,7 +429,7 @@ def _gradients(ring: _Ring, blocks: tuple[_Block, ...], j, q, k, v, out, lse, d_
     r = block.rows
     res = (_rows(q, r, 3), _rows(k, block.keys, 2), _rows(v, block.keys, 2), _rows(out, r, 3),
            _rows(lse, r, 3), None, _kv_lengths(ring, block, j, lengths))
-    g_q, g_k, g_v, _, _ = flash._backward(ring.flash_config(block), res, _rows(d_out, r, 3))
+    g_q, g_k, g_v, _, _ = flash.backward(ring.flash_config(block), res, _rows(d_out, r, 3))
     dq = dq + _place(g_q, r, L, 3, 0)
     dk = dk + _place(g_k, block.keys, L, 2, 0)
     dv = dv + _place(g_v, block.keys, L, 2, 0)
@@ -456,23 +453,23 @@ def _rotate(x: Any, ring: _Ring) -> Any:
 
 
 def _ring_forward(ring: _Ring, q, k, v, lengths):
+  """``(out [B, K, G, L, D], lse [B, K, G, L])`` of the local queries against every key."""
   acc = checks.accumulation_dtype(q.dtype)
   i = lax.axis_index(ring.axis_name)
   qa = q.astype(acc)
   blocks = ring.blocks(step0=True)[0]
-  out, lse = _attend(ring, blocks, i, qa, k.astype(acc), v.astype(acc), lengths)
+  carry = _attend(ring, blocks, i, qa, k.astype(acc), v.astype(acc), lengths)
 
   def step(carry, s):
-    out, lse, k, v = carry
+    carry, k, v = carry
     k, v = _rotate((k, v), ring)
     j = (i - s) % ring.devices
-    o, l_ = _step(ring, False, _attend, qa, k.astype(acc), v.astype(acc), lengths)(j)
-    out, lse = _merge(out, lse, o, l_)
-    return (out, lse, k, v), None
+    other = _step(ring, False, _attend, qa, k.astype(acc), v.astype(acc), lengths)(j)
+    return (merge(carry, other), k, v), None
 
   if ring.devices > 1:
-    (out, lse, _, _), _ = lax.scan(step, (out, lse, k, v), jnp.arange(1, ring.devices))
-  return out, lse
+    (carry, _, _), _ = lax.scan(step, (carry, k, v), jnp.arange(1, ring.devices))
+  return online_softmax_finish(carry)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -648,7 +645,7 @@ class ContextParallel:
   @staticmethod
   def check(attention: str, options: dict[str, Any]) -> None:
     """Raises ValueError if ``attention`` with ``options`` has no context-parallel form."""
-    if attention in ("softmax", "flash"):
+    if get_spec(attention).full_softmax:
       extra = sorted(set(options) - set(_RING_OPTIONS))
       if extra:
         raise ValueError(f"ContextParallel: ring attention (for {attention!r}) takes the "
@@ -656,13 +653,13 @@ class ContextParallel:
     elif attention not in recurrent_attentions():
       raise ValueError(
           f"ContextParallel: attention={attention!r} has no context-parallel form; it runs "
-          f"softmax and flash (ring attention) and {recurrent_attentions()}.")
+          f"{_full_softmax()} (ring attention) and {recurrent_attentions()}.")
 
   def attend(self, attention: str, query, key, value, *, is_causal: bool,
              key_value_seq_lengths: Any = None, **options: Any) -> jax.Array:
     """``attention`` over ``query``/``key``/``value`` split along T over the axis."""
     self.check(attention, options)
-    if attention in ("softmax", "flash"):
+    if get_spec(attention).full_softmax:
       return ring_attention(query, key, value, mesh=self.mesh, axis_name=self.axis_name,
                             is_causal=is_causal, key_value_seq_lengths=key_value_seq_lengths,
                             **options)

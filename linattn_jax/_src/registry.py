@@ -13,6 +13,7 @@ registered variant against its oracle with those options dropped.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import inspect
 from collections.abc import Callable, Mapping
@@ -47,6 +48,25 @@ class AttentionFn(Protocol):
   def __call__(self, query: Any, key: Any, value: Any, *, is_causal: bool = False,
                key_value_seq_lengths: Any = None) -> Any:
     ...
+
+
+class CacheKind(str, enum.Enum):
+  """What a variant's decode cache holds (each equals its string value).
+
+  ``KV``: every key ``[B, K, C, H]`` and value so far (exact softmax, the
+  sparse patterns); ``WINDOW``: a ring buffer of local attention's window;
+  ``RECURRENT``: a fixed-size state.
+
+  Examples:
+    >>> la.get_spec("linear_elu").cache_kind is nn.CacheKind.RECURRENT
+    True
+    >>> nn.cache_kind("softmax") == "kv"
+    True
+  """
+
+  KV = "kv"  # Every key and value so far, [B, K, C, H]: exact softmax and the sparse patterns.
+  WINDOW = "window"  # A ring buffer of the window's keys and values: local attention.
+  RECURRENT = "recurrent"  # A fixed-size state: the recurrent variants.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,6 +229,13 @@ class AttentionSpec:
       equals this variant (``how_options`` are not passed). Benchmarks time
       the masked dense path against it.
     params: the arrays the variant owns (see :class:`ParamSpec`), or None.
+    full_softmax: whether the variant is exact softmax attention over every
+      visible key (no pattern tied to positions): a prefill from position 0
+      is its plain causal call, and ring attention runs it across devices.
+    extra_inputs: per-token inputs the function needs besides query, key and
+      value, as ``(name, shape)`` pairs (e.g. ``("log_decay", "[B, S, K]")``);
+      they are keyword arguments of every call, and the function
+      :func:`get_attention` builds rejects a call without them.
     forms_weights: whether the variant is softmax attention over a pattern,
       so that its ``[B, N, T, S]`` weights can be formed: a layer then
       honours a general ``mask`` (with the pattern), attention dropout and
@@ -259,6 +286,8 @@ class AttentionSpec:
   weights: Callable[..., Any] | None = None
   params: ParamSpec | None = None
   forms_weights: bool = False
+  full_softmax: bool = False
+  extra_inputs: tuple[tuple[str, str], ...] = ()
 
   def __post_init__(self):
     extra = set(self.suite_implementations or ()) - set(self.implementations)
@@ -272,10 +301,28 @@ class AttentionSpec:
       return self.supports_causal and implementation not in self.noncausal_only
     return self.supports_noncausal
 
+  @property
+  def cache_kind(self) -> CacheKind:
+    """What the variant's decode cache holds, from its streaming protocol."""
+    if self.streaming is None:
+      return CacheKind.KV
+    return CacheKind.RECURRENT if self.streaming.state_passing else CacheKind.WINDOW
+
   def build(self, **options: Any) -> AttentionFn:
     """The function with ``options`` bound, after checking their names."""
-    _check_options(self.name, self.function, options)
-    return functools.partial(self.function, **options)
+    inputs = dict(self.extra_inputs)
+    _check_options(self.name, self.function, options, per_call=(*_UNIFORM, *inputs))
+    fn = functools.partial(self.function, **options)
+    if not inputs:
+      return fn
+
+    def with_inputs(*args: Any, **kwargs: Any) -> Any:
+      missing = [f"{name} {shape}" for name, shape in inputs.items() if name not in kwargs]
+      if missing:
+        raise ValueError(f"{self.name}: each call needs the per-token input(s) "
+                         f"{', '.join(missing)} as keyword arguments.")
+      return fn(*args, **kwargs)
+    return with_inputs
 
   def build_reference(self, **options: Any) -> AttentionFn:
     """The oracle with the non-``how`` options bound."""
@@ -292,12 +339,13 @@ _UNIFORM = ("is_causal", "key_value_seq_lengths")
 _REGISTRY: dict[str, AttentionSpec] = {}
 
 
-def _check_options(name: str, function: Callable[..., Any], options: Mapping[str, Any]) -> None:
+def _check_options(name: str, function: Callable[..., Any], options: Mapping[str, Any], *,
+                   per_call: tuple[str, ...] = _UNIFORM) -> None:
   params = inspect.signature(function).parameters
   allowed = sorted(p for p, v in params.items()
-                   if v.kind is inspect.Parameter.KEYWORD_ONLY and p not in _UNIFORM)
+                   if v.kind is inspect.Parameter.KEYWORD_ONLY and p not in per_call)
   for option in options:
-    if option in _UNIFORM:
+    if option in per_call:
       raise ValueError(
           f"get_attention({name!r}): `{option}` is passed at call time, not as an option."
       )
@@ -427,9 +475,6 @@ def available_attentions() -> list[str]:
 
   Returns:
     A new sorted list of the registered names.
-
-  Raises:
-    ValueError: never.
 
   Examples:
     >>> names = la.available_attentions()

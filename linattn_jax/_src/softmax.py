@@ -175,4 +175,5 @@ register_attention(AttentionSpec(
     reference=softmax_attention_reference,
     implementations=IMPLEMENTATIONS,
     forms_weights=True,
+    full_softmax=True,
 ))
