@@ -22,9 +22,14 @@ standard dtype rules; rank promotion stays "raise" for them too.
 """
 
 import os
+import pathlib
+import sys
 
 import jax
 import pytest
+
+# Shared helpers (tests/support/_helpers.py) import by name from every test folder.
+sys.path.insert(0, str(pathlib.Path(__file__).parent / "support"))
 
 os.environ.setdefault(
     "XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")

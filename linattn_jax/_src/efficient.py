@@ -272,11 +272,11 @@ def efficient_attention(
   fn = "efficient_attention"  # is_causal is a static bool: checked by checks.compiled.
   checks.check_choice(
       implementation, name="implementation", choices=(None,) + IMPLEMENTATIONS, fn=fn)
-  out, state = recurrence.recurrent_attention(
+  return recurrence.recurrent_attention(
       _FAMILY, query, key, value, is_causal=is_causal,
       key_value_seq_lengths=key_value_seq_lengths, eps=0.0, implementation=implementation,
-      chunk_size=chunk_size, initial_state=initial_state, fn=fn)
-  return (out, state) if return_state else out
+      chunk_size=chunk_size, initial_state=initial_state,
+      return_state=return_state, fn=fn)
 
 
 def efficient_attention_step(
@@ -344,10 +344,7 @@ register_attention(AttentionSpec(
     reference=efficient_attention_reference,
     how_options=frozenset({"implementation", "chunk_size"}),
     implementations=IMPLEMENTATIONS,
-    # The oracle is judged by its own tests; the default dispatch by test_efficient.
-    suite_implementations=("parallel", "scan", "chunked"),
     noncausal_only=frozenset({"parallel"}),
-    test_options={"chunk_size": 4},
     streaming=StreamingSpec(init=_init_like, step=efficient_attention_step, summarize=_summarize,
                             combine=recurrence.combine_states),
 ))

@@ -47,6 +47,7 @@ from linattn_jax._src.registry import AttentionSpec, register_attention
 DEFAULT_BLOCK_Q = 512
 DEFAULT_BLOCK_K = 512
 
+
 @dataclasses.dataclass(frozen=True)
 class FlashConfig:
   """Static description of one flash call (hashable: a custom_vjp nondiff arg).
@@ -313,5 +314,4 @@ register_attention(AttentionSpec(
     reference=softmax_attention_reference,
     how_options=frozenset({"block_q", "block_k"}),
     full_softmax=True,
-    test_options={"block_q": 4, "block_k": 8},
 ))

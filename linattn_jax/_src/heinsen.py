@@ -149,7 +149,7 @@ def _log_space_attention(query, key, log_value, kv_len, *, is_causal: bool, chun
   inputs = recurrence.featurize(p, functools.partial(_Exp(), ()), kv_len, dtype,
                                 fn="log_heinsen_attention")
   inputs = inputs._replace(v=jnp.concatenate([inputs.v, jnp.zeros_like(inputs.v[..., :1])], -1))
-  empty = jnp.full((B, K, H, D + 1), -jnp.inf, dtype)  # log 0
+  empty = jnp.full_like(inputs.v, -jnp.inf, shape=(B, K, H, D + 1))  # log 0
   log_num, _ = recurrence.run_chunks(_LOG_BODIES, None, empty, inputs, is_causal=is_causal,
                                      chunk_size=chunk)  # [B, K, G, T, E]
   out = log_num[..., :D] - exponent_shift(log_num[..., D:])
@@ -309,11 +309,11 @@ def heinsen_attention(
   if implementation == "parallel" and is_causal:  # Every position's prefix state at once.
     T = jnp.shape(query)[-3] if jnp.ndim(query) >= 3 else 1  # Bad ranks are named later.
     implementation, chunk_size = "associative_scan", max(T, 1)
-  out, state = recurrence.recurrent_attention(
+  return recurrence.recurrent_attention(
       _FAMILY, query, key, value, is_causal=is_causal,
       key_value_seq_lengths=key_value_seq_lengths, eps=0.0, implementation=implementation,
-      chunk_size=chunk_size, initial_state=initial_state, fn=fn)
-  return (out, state) if return_state else out
+      chunk_size=chunk_size, initial_state=initial_state,
+      return_state=return_state, fn=fn)
 
 
 @checks.compiled("is_causal", "implementation", "chunk_size")
@@ -472,11 +472,6 @@ register_attention(AttentionSpec(
     reference=heinsen_attention_reference,
     how_options=frozenset({"implementation", "chunk_size"}),
     implementations=IMPLEMENTATIONS,
-    # The core's every form runs in the suite through "performer"; these are Heinsen's
-    # per-feature log-scale in the summary / whole-sequence prefix form and the chunked
-    # one (the scan form runs through the streaming step).
-    suite_implementations=("parallel", "chunked"),
-    test_options={"chunk_size": 4},
     streaming=StreamingSpec(init=_init_state_like, step=heinsen_attention_step,
                             summarize=_summarize, combine=recurrence.combine_states),
 ))

@@ -475,7 +475,8 @@ class MultiHeadAttention(nnx.Module):
       out = out.reshape(batch + out.shape[1:])
     return self.out(out, out_sharding=out_sharding)
 
-  def _dropout_rng(self, deterministic: bool | None, rngs: Any) -> jax.Array | None:
+  def _dropout_rng(self, deterministic: bool | None,
+                   rngs: nnx.Rngs | nnx.RngStream | None) -> jax.Array | None:
     """A key for this call's dropout, or None when no dropout applies (Flax's rules)."""
     if self.dropout_rate == 0.0:
       return None
@@ -637,7 +638,7 @@ class MultiHeadAttention(nnx.Module):
       batch = (batch_size,) if isinstance(batch_size, int) else tuple(batch_size)
       self.init_cache(batch + (max_length, self.in_features))
 
-  def _cache_or_raise(self) -> Any:
+  def _cache_or_raise(self) -> KVCache | StateCache:
     if self.cache is None:
       raise ValueError("MultiHeadAttention: decoding needs a cache; call init_cache(input_shape) "
                        "(or nnx.view(..., decode=True, batch_size=..., max_length=...)) first.")
@@ -679,8 +680,7 @@ class MultiHeadAttention(nnx.Module):
       if mask is not None:
         raise ValueError(f"MultiHeadAttention: attention={self.attention!r} decodes from a "
                          "state and cannot honour a `mask`.")
-      cache, out = _state_decode(self._spec, cache, q, k, v,
-                                 self._options())
+      cache, out = _state_decode(self._spec, cache, q, k, v, self._options())
     self.cache.set_value(cache)
     return out
 

@@ -249,11 +249,11 @@ def _linear_attention(query, key, value, *, feature_map, is_causal, key_value_se
   """:func:`linear_attention` and its reference, with errors naming ``fn``."""
   featurizer, arrays = _Plain.split(feature_map)
   family = recurrence.Family(featurizer, "kernel", LinearState, IMPLEMENTATIONS)
-  out, state = recurrence.recurrent_attention(
+  return recurrence.recurrent_attention(
       family, query, key, value, arrays, is_causal=is_causal,
       key_value_seq_lengths=key_value_seq_lengths, eps=eps, implementation=implementation,
-      chunk_size=chunk_size, initial_state=initial_state, fn=fn)
-  return (out, state) if return_state else out
+      chunk_size=chunk_size, initial_state=initial_state,
+      return_state=return_state, fn=fn)
 
 
 def linear_attention_reference(

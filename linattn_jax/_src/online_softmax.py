@@ -110,7 +110,10 @@ def merge(a: SoftmaxCarry, b: SoftmaxCarry) -> SoftmaxCarry:
   ``m = max(m_a, m_b)``, ``l = l_a e^(m_a - m) + l_b e^(m_b - m)``, likewise the
   accumulators. The one online-softmax merge: flash's blocks, a KV cache read
   with the new chunk, ring attention's devices. Associative; a side that saw
-  no key (``m = -inf``) weighs 0.
+  no key (``m = -inf``) weighs 0. For finished partials ``(o, ℓ)``, ℓ the
+  log-sum-exp (:func:`from_output`), it is ``ℓ = logaddexp(ℓ_a, ℓ_b)``,
+  ``o = e^(ℓ_a - ℓ) o_a + e^(ℓ_b - ℓ) o_b``; two empty sides give ``ℓ = -inf``
+  and zeros, never NaN.
   """
   row_max = jax.lax.stop_gradient(jnp.maximum(a.row_max, b.row_max))
   shift = exponent_shift(row_max)

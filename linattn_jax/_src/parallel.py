@@ -388,7 +388,7 @@ class _Ring:
   def flash_config(self, block: _Block) -> flash.FlashConfig:
     T, S = block.rows[1] - block.rows[0], block.keys[1] - block.keys[0]
     return flash.FlashConfig(T=T, S=S, block_q=min(self.block_q, T), block_k=min(self.block_k, S),
-                         is_causal=block.causal, scale=self.scale)
+                             is_causal=block.causal, scale=self.scale)
 
 
 def _rows(x: jax.Array, span: tuple[int, int], axis: int) -> jax.Array:
@@ -577,8 +577,7 @@ def ring_attention(
   p, lengths = _prepare(query, key, value, key_value_seq_lengths, fn=fn)
   multiple = 2 * P_ if zigzag else P_
   ring = _Ring(axis_name=axis_name, devices=P_, local=-(-p.dims.T // multiple) * multiple // P_,
-               zigzag=zigzag,
-               is_causal=is_causal, scale=checks.resolve_scale(scale, p.dims.H),
+               zigzag=zigzag, is_causal=is_causal, scale=checks.resolve_scale(scale, p.dims.H),
                block_q=checks.check_positive_int(block_q, name="block_q", fn=fn),
                block_k=checks.check_positive_int(block_k, name="block_k", fn=fn))
   N, K = p.dims.N, p.dims.K
@@ -592,8 +591,6 @@ def ring_attention(
 
   out = _sharded(local, p, lengths, (), mesh=mesh, axis_name=axis_name, zigzag=zigzag)
   return p.restore(out)
-
-
 
 
 # ------------------------------------------------------------ for layers ---

@@ -197,11 +197,11 @@ def _performer_attention(query, key, value, *, projection, is_causal, key_value_
   check_projection(projection, query_shape=jnp.shape(query), fn=fn)
   family = recurrence.Family(_LogScaled(_check_kernel(kernel, fn)), "kernel", PerformerState,
                              IMPLEMENTATIONS)
-  out, state = recurrence.recurrent_attention(
+  return recurrence.recurrent_attention(
       family, query, key, value, projection, is_causal=is_causal,
       key_value_seq_lengths=key_value_seq_lengths, eps=eps, implementation=implementation,
-      chunk_size=chunk_size, initial_state=initial_state, fn=fn)
-  return (out, state) if return_state else out
+      chunk_size=chunk_size, initial_state=initial_state,
+      return_state=return_state, fn=fn)
 
 
 def performer_attention_reference(

@@ -102,10 +102,17 @@ class Carry(NamedTuple):
   running_max: jax.Array  # [B, K, M']: max of the keys' ℓ_j seen so far (-inf: none).
 
 
-def empty_carry(B: int, K: int, M: int, M_log: int, D: int, dtype: Any) -> Carry:
-  """The state of no keys: zero sums, running max ``-inf``."""
-  return Carry(jnp.zeros((B, K, M, D), dtype), jnp.zeros((B, K, M), dtype),
-               jnp.full((B, K, M_log), -jnp.inf, dtype))
+def empty_carry(B: int, K: int, M: int, M_log: int, D: int, dtype: Any, *,
+                like: jax.Array | None = None) -> Carry:
+  """The state of no keys: zero sums, running max ``-inf``.
+
+  ``like``: an input it is built from (``*_like``), so that inside ``shard_map`` it
+  varies over the same devices as the inputs and a scan carrying it keeps one type.
+  """
+  like = jnp.zeros((), dtype) if like is None else like
+  return Carry(jnp.zeros_like(like, dtype, shape=(B, K, M, D)),
+               jnp.zeros_like(like, dtype, shape=(B, K, M)),
+               jnp.full_like(like, -jnp.inf, dtype, shape=(B, K, M_log)))
 
 
 class Chunk(NamedTuple):
@@ -619,9 +626,10 @@ class Family:
 def recurrent_attention(
     family: Family, query: Any, key: Any, value: Any, params: Any = (), *, is_causal: bool,
     key_value_seq_lengths: Any, eps: float, implementation: str | None, chunk_size: int,
-    initial_state: Any, fn: str,
-) -> tuple[jax.Array, Any]:
-  """The shared entry of every recurrent variant: ``(out [B, T, N, D], final state)``.
+    initial_state: Any, return_state: bool = False, fn: str,
+) -> jax.Array | tuple[jax.Array, Any]:
+  """The shared entry of every recurrent variant: ``out [B, T, N, D]``, or with
+  ``return_state`` the pair ``(out, final state)``.
 
   Checks the static options here, then runs one jitted function (inlined
   under an outer jit; eager calls reuse its compiled program) that validates
@@ -641,10 +649,11 @@ def recurrent_attention(
   chunk_size = checks.check_positive_int(chunk_size, name="chunk_size", fn=fn)
   if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or eps < 0:
     raise ValueError(f"{fn}: eps must be a non-negative float; got {eps!r}.")
-  return _recurrent_attention(
+  out, state = _recurrent_attention(
       query, key, value, key_value_seq_lengths, initial_state, params, family=family,
       config=ReadConfig(family.read, float(eps)), is_causal=is_causal,
       implementation=implementation, chunk_size=chunk_size, fn=fn)
+  return (out, state) if return_state else out
 
 
 @functools.partial(jax.jit, static_argnames=(
@@ -658,7 +667,7 @@ def _recurrent_attention(query, key, value, lengths, state, params, *, family, c
   B, T, _, N, K, _, D = p.dims
   M, M_log = max(chunk.fk.shape[-1], chunk.lk.shape[-1]), chunk.lk.shape[-1]
   if state is None:
-    carry = empty_carry(B, K, M, M_log, D, dtype)
+    carry = empty_carry(B, K, M, M_log, D, dtype, like=chunk.v)
   else:
     carry = _to_carry(state, family.state_cls, p, M, M_log, dtype, fn=fn)
   out, carry = attend(config, carry, chunk, is_causal=is_causal, implementation=implementation,

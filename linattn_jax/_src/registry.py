@@ -212,12 +212,6 @@ class AttentionSpec:
       it is (e.g. ``implementation``, block sizes); not passed to the oracle.
     implementations: values of ``implementation=`` the function offers
       (``(None,)`` when it has no such option).
-    suite_implementations: the subset the shared suite runs (None: all).
-      A variant that only swaps one ingredient of an engine another
-      registered variant already covers in full (e.g. a different feature
-      map) lists fewer, to keep the suite's cost proportional to the code.
-    test_options: options the shared suite uses on its small shapes (e.g.
-      small blocks, so that several blocks and a partial one are exercised).
     supports_causal: whether ``is_causal=True`` is supported.
     supports_noncausal: whether ``is_causal=False`` is supported.
     noncausal_only: implementations that support only ``is_causal=False``
@@ -248,10 +242,6 @@ class AttentionSpec:
       ``[B, N, T]``. Where the features are signed the normaliser can cancel;
       the shared suite then judges parity by each row's conditioning.
 
-  Raises:
-    ValueError: if ``suite_implementations`` lists a name that is not among
-      ``implementations``.
-
   Examples:
     >>> spec = la.get_spec("performer")
     >>> spec.name, spec.streaming is not None, spec.params.names
@@ -276,8 +266,6 @@ class AttentionSpec:
   reference: Callable[..., Any]
   how_options: frozenset[str] = frozenset({"implementation"})
   implementations: tuple[str | None, ...] = (None,)
-  suite_implementations: tuple[str | None, ...] | None = None
-  test_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   supports_causal: bool = True
   supports_noncausal: bool = True
   noncausal_only: frozenset[str] = frozenset()
@@ -288,12 +276,6 @@ class AttentionSpec:
   forms_weights: bool = False
   full_softmax: bool = False
   extra_inputs: tuple[tuple[str, str], ...] = ()
-
-  def __post_init__(self):
-    extra = set(self.suite_implementations or ()) - set(self.implementations)
-    if extra:
-      raise ValueError(f"AttentionSpec {self.name!r}: suite_implementations {sorted(extra)} "
-                       f"are not among implementations {self.implementations}.")
 
   def supports(self, implementation: str | None, is_causal: bool) -> bool:
     """Whether ``implementation`` supports this causal mode."""

@@ -691,48 +691,37 @@ def bigbird_attention(
 # ------------------------------------------------------------ registry ---
 
 
-def _example_layout(num_q_blocks: int, num_k_blocks: int) -> np.ndarray:
-  """A length-generic layout for tests and benchmarks: block diagonal, first column, one off."""
-  a = np.arange(num_q_blocks)[:, None] + (num_k_blocks - num_q_blocks)
-  b = np.arange(num_k_blocks)[None, :]
-  return (b == a) | (b == 0) | (b == a - 2)
-
-
 def _init_local_like(query, key, value, *, window_size):
   B, _, K, H = key.shape
   return init_local_state(B, K, H, value.shape[-1], key.dtype, window_size=window_size)
 
 
-def _spec(name: str, function: Callable[..., Any], pattern_options: dict[str, Any],
-          dense_mask: Callable[..., Any], block_size: int | None = None,
-          **kw: Any) -> AttentionSpec:
+def _spec(name: str, function: Callable[..., Any], dense_mask: Callable[..., Any], *,
+          how: tuple[str, ...] = ("implementation", "block_size"), **kw: Any) -> AttentionSpec:
   """Registers a sparse variant; its oracle is the same function's reference path."""
-  how = {"implementation"} | ({"block_size"} if block_size is not None else set())
-  test = dict(pattern_options, **({"block_size": block_size} if block_size is not None else {}))
   return register_attention(AttentionSpec(
       name=name, function=function,
       reference=functools.partial(function, implementation="reference"),
-      how_options=frozenset(how), implementations=IMPLEMENTATIONS, test_options=test,
-      dense_mask=dense_mask, forms_weights=True, **kw))
+      how_options=frozenset(how), implementations=IMPLEMENTATIONS, dense_mask=dense_mask,
+      forms_weights=True, **kw))
 
 
-_spec("local", local_attention, {"window_size": (3, 2)},
+_spec("local", local_attention,
       lambda T, S, *, is_causal, window_size: masks_lib.local(T, S, window_size),
-      block_size=4,
       streaming=StreamingSpec(init=_init_local_like, step=local_attention_step,
                               state_passing=False))
-_spec("strided", strided_attention, {"stride": 3, "window_size": (2, 1)},
+_spec("strided", strided_attention,
       lambda T, S, *, is_causal, stride, window_size=None: masks_lib.strided(
-          T, S, stride, window_size),
-      block_size=4)
-_spec("block_sparse", block_sparse_attention, {"layout": _example_layout, "block_size": 3},
+          T, S, stride, window_size))
+# Block-sparse and BigBird patterns are defined in blocks: block_size says what, not how.
+_spec("block_sparse", block_sparse_attention,
       lambda T, S, *, is_causal, layout, block_size: masks_lib.block_sparse(
-          _check_layout(layout, T, S, block_size, "block_sparse")[0], block_size, T, S))
-_spec("longformer", longformer_attention, {"window_size": (2, 1), "global_positions": (0, 3)},
+          _check_layout(layout, T, S, block_size, "block_sparse")[0], block_size, T, S),
+      how=("implementation",))
+_spec("longformer", longformer_attention,
       lambda T, S, *, is_causal, window_size, global_positions=(): masks_lib.longformer(
-          T, S, window_size, global_positions),
-      block_size=4)
-_spec("bigbird", bigbird_attention, {"block_size": 2, "num_window_blocks": 3,
-                                     "num_global_blocks": 1, "num_random_blocks": 1, "rng": 0},
+          T, S, window_size, global_positions))
+_spec("bigbird", bigbird_attention,
       lambda T, S, *, is_causal, block_size, **counts: masks_lib.bigbird(
-          T, S, block_size, is_causal=is_causal, **counts))
+          T, S, block_size, is_causal=is_causal, **counts),
+      how=("implementation",))

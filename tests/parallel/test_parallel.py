@@ -26,6 +26,7 @@ from _helpers import (
   kv_lengths,
   largest_intermediate,
   make_qkv,
+  suite_options,
 )
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding
@@ -81,7 +82,7 @@ def test_context_parallel_equals_one_device(name, is_causal):
   shape = SMALL_SHAPE if name == "random_fourier" else SHAPE
   q, k, v = make_qkv(shape)
   lengths = kv_lengths(shape)
-  options = dict(spec.test_options)
+  options = dict(suite_options(spec))
   ct = cotangent(jnp.zeros((shape.B, shape.T, shape.N, shape.D)))
   single = spec.build(**options)
   got, got_grads = _value_and_grads(

@@ -1,6 +1,6 @@
-"""One process of the two-process test (tests/test_distributed.py); not a test itself.
+"""One process of the two-process test (tests/parallel/test_distributed.py); not a test itself.
 
-    python tests/distributed_worker.py PORT PROCESS_ID OUT_DIR
+    python tests/support/distributed_worker.py PORT PROCESS_ID OUT_DIR
 
 Joins a 2-process JAX runtime on 127.0.0.1:PORT with 4 host CPU devices per
 process (gloo collectives), shards one sequence over all 8 devices, runs

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -68,3 +70,23 @@ def test_a_spec_names_its_extra_per_token_inputs_and_calls_without_them_fail():
     fn(x, x, x)
   with pytest.raises(ValueError, match="log_decay.*passed at call time"):
     spec.build(log_decay=jnp.zeros((1, 4, 2)))
+
+
+def test_a_registered_variant_joins_the_shared_suite_with_its_defaults(monkeypatch):
+  """The suite's cases come from the registry: registering is all a variant does to join
+  (with its default options and every implementation it lists)."""
+  from _helpers import SHAPES, Case, assert_matches_oracle, build, spec_cases
+
+  from linattn_jax._src import registry
+
+  def halved(query, key, value, *, is_causal=False, key_value_seq_lengths=None):
+    return la.softmax_attention(query, key, value, scale=0.5, is_causal=is_causal,
+                                key_value_seq_lengths=key_value_seq_lengths)
+
+  spec = la.AttentionSpec(name="halved_softmax", function=halved,
+                          reference=functools.partial(la.softmax_attention_reference, scale=0.5))
+  monkeypatch.setitem(registry._REGISTRY, spec.name, spec)
+  assert [c for c in spec_cases() if c.spec is spec] == [Case(spec, None)]
+  fast, _ = build(spec, None)
+  q, k, v = make_qkv(SHAPES[0])
+  assert_matches_oracle(fast(q, k, v, is_causal=True), spec, q, k, v, is_causal=True)

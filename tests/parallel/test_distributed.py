@@ -21,8 +21,8 @@ import numpy as np
 
 import linattn_jax as la
 
-WORKER = pathlib.Path(__file__).with_name("distributed_worker.py")
-ROOT = WORKER.parent.parent
+WORKER = pathlib.Path(__file__).resolve().parents[1] / "support" / "distributed_worker.py"
+ROOT = WORKER.parents[2]
 
 
 def _free_port() -> int:

@@ -22,7 +22,7 @@ from experiments import data, train
 # The training loop steps optax (see conftest: standard dtype promotion for it).
 pytestmark = pytest.mark.standard_dtype_promotion
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 TINY = dict(seq_len=16, batch_size=8, num_steps=3, learning_rate=1e-2, warmup_steps=1,
             weight_decay=0.0, clip_norm=1.0, num_layers=1, model_dim=16, num_heads=2,
             num_kv_heads=None, dtype="float32", seed=0, eval_every=3, eval_batches=1,

@@ -1,4 +1,4 @@
-"""The shared suite (DESIGN.md §5), run over every registered attention.
+"""The shared suite: every registered attention against its oracle.
 
 A variant joins by registering an ``AttentionSpec``; every implementation it
 lists is checked here against the spec's oracle:
@@ -39,36 +39,37 @@ from _helpers import (
   assert_matches_oracle,
   assert_stress_output_matches_oracle,
   build,
-  case_id,
   cotangent,
   has_custom_vjp,
   kv_lengths,
   make_qkv,
   spec_cases,
+  suite_options,
 )
 
 import linattn_jax as la
+from linattn_jax._src.registry import accepted
 
 CASES = spec_cases()
 # Parity with the oracle is vacuous for the oracle itself.
-PARITY_CASES = [c for c in CASES if c[1] != "reference"]
+PARITY_CASES = [c for c in CASES if c.implementation != "reference"]
 parity_case_param = pytest.mark.parametrize(
-    "case", PARITY_CASES, ids=[case_id(c) for c in PARITY_CASES])
-CAUSAL_CASES = [c for c in CASES if c[0].supports(c[1], True)]
-case_param = pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
+    "case", PARITY_CASES, ids=[c.id for c in PARITY_CASES])
+CAUSAL_CASES = [c for c in CASES if c.spec.supports(c.implementation, True)]
+case_param = pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 causal_case_param = pytest.mark.parametrize(
-    "case", CAUSAL_CASES, ids=[case_id(c) for c in CAUSAL_CASES])
-STREAM_CASES = [c for c in CAUSAL_CASES if c[0].streaming is not None]
+    "case", CAUSAL_CASES, ids=[c.id for c in CAUSAL_CASES])
+STREAM_CASES = [c for c in CAUSAL_CASES if c.spec.streaming is not None]
 stream_case_param = pytest.mark.parametrize(
-    "case", STREAM_CASES, ids=[case_id(c) for c in STREAM_CASES])
-SPLIT_CASES = [c for c in STREAM_CASES if c[0].streaming.state_passing]
+    "case", STREAM_CASES, ids=[c.id for c in STREAM_CASES])
+SPLIT_CASES = [c for c in STREAM_CASES if c.spec.streaming.state_passing]
 # The state protocol is the variant's, not an implementation's: one case per variant.
-STREAM_SPECS = list({c[0].name: c[0] for c in STREAM_CASES}.values())
+STREAM_SPECS = list({c.spec.name: c.spec for c in STREAM_CASES}.values())
 RECURRENT_SPECS = [s for s in STREAM_SPECS if s.streaming.summarize is not None]
 stream_spec_param = pytest.mark.parametrize("spec", STREAM_SPECS, ids=lambda s: s.name)
 recurrent_spec_param = pytest.mark.parametrize("spec", RECURRENT_SPECS, ids=lambda s: s.name)
 split_case_param = pytest.mark.parametrize(
-    "case", SPLIT_CASES, ids=[case_id(c) for c in SPLIT_CASES])
+    "case", SPLIT_CASES, ids=[c.id for c in SPLIT_CASES])
 causal_param = pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 
 
@@ -158,7 +159,7 @@ def test_gradient_finite_differences_float64(spec, is_causal, padded):
     q, k, v = make_qkv(TINY, jnp.float64)
     lengths = jnp.asarray([3], jnp.int32) if padded else None
     checked = []
-    for impl in (spec.suite_implementations or spec.implementations):
+    for impl in [c.implementation for c in CASES if c.spec is spec]:
       fast, ref = build(spec, impl)
       if not _check_or_expect_error(spec, impl, fast, q, k, v, is_causal):
         continue
@@ -225,24 +226,18 @@ def test_causal_future_perturbation_leaves_past_unchanged(case, shape):
 # Streaming -----------------------------------------------------------------
 
 
-def _accepted(fn, options):
-  """The entries of ``options`` that ``fn`` takes as keywords."""
-  names = inspect.signature(fn).parameters
-  return {k: v for k, v in options.items() if k in names}
-
-
 @stream_case_param
 def test_streaming_step_equals_causal_pass(case, seeds):
   spec, _ = case
   stream = spec.streaming
   shape = SHAPES[0]  # T == S.
   q, k, v = make_qkv(shape)
-  state = stream.init(q, k, v, **_accepted(stream.init, spec.test_options))
+  state = stream.init(q, k, v, **accepted(stream.init, suite_options(spec)))
 
   @jax.jit
   def decode(q, k, v):
     def one_token(state, qkv):
-      return stream.step(state, *qkv, **_accepted(stream.step, spec.test_options))
+      return stream.step(state, *qkv, **accepted(stream.step, suite_options(spec)))
     _, outs = jax.lax.scan(one_token, state, tuple(x.swapaxes(0, 1) for x in (q, k, v)))
     return outs.swapaxes(0, 1)
 
@@ -288,7 +283,7 @@ def test_prefill_state_then_steps_equal_one_causal_pass(spec):
     out, state = fast(q[:, :P], k[:, :P], v[:, :P], is_causal=True, return_state=True)
 
     def one_token(state, qkv):
-      return stream.step(state, *qkv, **_accepted(stream.step, spec.test_options))
+      return stream.step(state, *qkv, **accepted(stream.step, suite_options(spec)))
     _, outs = jax.lax.scan(one_token, state, tuple(x[:, P:].swapaxes(0, 1) for x in (q, k, v)))
     return jnp.concatenate([out, outs.swapaxes(0, 1)], axis=1)
 
@@ -309,7 +304,7 @@ def _span_inputs(spec):
   ``sin(w·k)`` arguments in the hundreds, whose rounding no engine can undo).
   """
   q, k, v = make_qkv(SHAPES[0])
-  if "num_features" in spec.test_options:
+  if "num_features" in suite_options(spec):
     k = k.at[:, 5:9].multiply(9.0)
   else:
     k = k.at[:, 5:9].add(100.0)
@@ -319,7 +314,7 @@ def _span_inputs(spec):
 def _summaries(spec, k, v, lengths):
   stream = spec.streaming
   summarize = functools.partial(stream.summarize,
-                                **_accepted(stream.summarize, spec.test_options))
+                                **accepted(stream.summarize, suite_options(spec)))
   parts = [summarize(k[:, a:b], v[:, a:b], key_value_seq_lengths=jnp.clip(lengths - a, 0, b - a))
            for a, b in SPANS]
   return parts, summarize(k, v, key_value_seq_lengths=lengths)
@@ -463,10 +458,10 @@ def test_low_precision_round_trip(case, dtype, seeds):
                             err_msg=msg)
 
 
-BIAS_CASES = [c for c in CASES if "bias" in inspect.signature(c[0].function).parameters]
+BIAS_CASES = [c for c in CASES if "bias" in inspect.signature(c.spec.function).parameters]
 
 
-@pytest.mark.parametrize("case", BIAS_CASES, ids=[case_id(c) for c in BIAS_CASES])
+@pytest.mark.parametrize("case", BIAS_CASES, ids=[c.id for c in BIAS_CASES])
 def test_a_row_masked_by_an_infinite_bias_is_zero_with_finite_gradients(case):
   spec, impl = case
   fast, ref = build(spec, impl)
@@ -508,7 +503,7 @@ def test_bad_inputs_raise_value_errors_naming_shapes(case):
   raises(r"key_value_seq_lengths.*shape", q, k, v, lengths=jnp.array([1, 2, 3]))
   raises(r"key_value_seq_lengths.*integers", q, k, v, lengths=jnp.array([1.0, 2.0]))
   with pytest.raises(ValueError, match="unknown"):
-    options = {**spec.test_options, "implementation": "no-such-implementation"}
+    options = {**suite_options(spec), "implementation": "no-such-implementation"}
     _call(spec.build(**options), q, k, v, is_causal)
   with pytest.raises(ValueError, match="unknown option"):
     spec.build(no_such_option=1)

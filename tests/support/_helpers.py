@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any, NamedTuple
 
 import jax
 import jax.extend
@@ -89,21 +91,75 @@ def assert_close(actual, expected, dtype, table=None, err_msg: str = "") -> None
   )
 
 
-def spec_cases():
-  """``(spec, implementation)`` for every registered implementation."""
-  return [(spec, impl)
-          for spec in map(la.get_spec, la.available_attentions())
-          for impl in (spec.suite_implementations or spec.implementations)]
+def example_layout(num_q_blocks: int, num_k_blocks: int) -> np.ndarray:
+  """A block-sparse layout for any length: block diagonal, first column, one off-diagonal."""
+  a = np.arange(num_q_blocks)[:, None] + (num_k_blocks - num_q_blocks)
+  b = np.arange(num_k_blocks)[None, :]
+  return (b == a) | (b == 0) | (b == a - 2)
 
 
-def case_id(case) -> str:
-  spec, impl = case
-  return spec.name if impl is None else f"{spec.name}-{impl}"
+class SuiteSettings(NamedTuple):
+  """How the shared suite runs one built-in variant on its small shapes."""
+
+  options: Mapping[str, Any] = MappingProxyType({})  # Small blocks and chunks, so that
+  # several and a partial one are exercised.
+  implementations: tuple[str | None, ...] | None = None  # None: every one the spec lists.
+
+
+# A registered variant not listed here runs with its defaults and every implementation.
+# The recurrent core runs in every form through "performer" (its running-max stabiliser
+# is the general case); the entries that swap one ingredient (a feature map, a read
+# rule) run their summary and default causal forms (and Shen's read its scan form).
+_CORE_FORMS = ("parallel", "chunked")
+SUITE_SETTINGS: dict[str, SuiteSettings] = {
+    "bigbird": SuiteSettings({"block_size": 2, "num_window_blocks": 3, "num_global_blocks": 1,
+                              "num_random_blocks": 1, "rng": 0}),
+    "block_sparse": SuiteSettings({"layout": example_layout, "block_size": 3}),
+    "efficient": SuiteSettings({"chunk_size": 4}, ("parallel", "scan", "chunked")),
+    "flash": SuiteSettings({"block_q": 4, "block_k": 8}),
+    "heinsen": SuiteSettings({"chunk_size": 4}, _CORE_FORMS),
+    "linear_elu": SuiteSettings({"chunk_size": 4}, _CORE_FORMS),
+    "linear_learned": SuiteSettings({"chunk_size": 4, "num_features": 6}, _CORE_FORMS),
+    "linear_relu": SuiteSettings({"chunk_size": 4}, _CORE_FORMS),
+    "local": SuiteSettings({"window_size": (3, 2), "block_size": 4}),
+    "longformer": SuiteSettings({"window_size": (2, 1), "global_positions": (0, 3),
+                                 "block_size": 4}),
+    "performer": SuiteSettings({"chunk_size": 4, "num_features": 16}),
+    # Signed features: some rows' normalisers nearly cancel; judged by their conditioning.
+    "random_fourier": SuiteSettings({"chunk_size": 4, "num_features": 16}, _CORE_FORMS),
+    "strided": SuiteSettings({"stride": 3, "window_size": (2, 1), "block_size": 4}),
+}
+
+
+def suite_options(spec) -> dict[str, Any]:
+  """The options the suite calls ``spec`` with (its small-shape settings)."""
+  return dict(SUITE_SETTINGS.get(spec.name, SuiteSettings()).options)
+
+
+class Case(NamedTuple):
+  """One registered implementation the suite runs."""
+
+  spec: Any
+  implementation: str | None
+
+  @property
+  def id(self) -> str:
+    return self.spec.name if self.implementation is None else (
+        f"{self.spec.name}-{self.implementation}")
+
+
+def spec_cases() -> list[Case]:
+  """A :class:`Case` for every implementation of every registered variant."""
+  cases = []
+  for spec in map(la.get_spec, la.available_attentions()):
+    chosen = SUITE_SETTINGS.get(spec.name, SuiteSettings()).implementations
+    cases += [Case(spec, impl) for impl in (chosen or spec.implementations)]
+  return cases
 
 
 def build(spec, impl, **options):
   """(fast, oracle) for one spec/implementation with the suite's options."""
-  options = {**spec.test_options, **options}
+  options = {**suite_options(spec), **options}
   if impl is not None:
     options["implementation"] = impl
   return spec.build(**options), spec.build_reference(**options)
@@ -175,7 +231,7 @@ def oracle_output(spec, options, q, k, v, is_causal, lengths):
 
   Returns ``(out, weights)``; ``weights`` is None for variants judged by the table.
   """
-  what = spec.what_options({**spec.test_options, **options})
+  what = spec.what_options({**suite_options(spec), **options})
   oracle = spec.build_reference(**what)
   if spec.weights is None:
     return oracle(q, k, v, is_causal=is_causal, key_value_seq_lengths=lengths), None
@@ -240,7 +296,7 @@ def assert_stress_output_matches_oracle(got, spec, q, k, v, *, is_causal, length
       _assert_within(got, want, conditioning_bound(weights, v, want, dtype), dtype, "output",
                      err_msg)
       return
-  oracle = spec.build_reference(**spec.what_options(spec.test_options))
+  oracle = spec.build_reference(**spec.what_options(suite_options(spec)))
   want = oracle(*(x.astype(jnp.float32) for x in (q, k, v)), is_causal=is_causal,
                 key_value_seq_lengths=lengths)
   assert np.all(np.isfinite(np.asarray(got, np.float32))), f"{err_msg} output not finite"
@@ -307,7 +363,7 @@ def oracle_gradients(spec, options, q, k, v, is_causal, lengths, ct, with_sensit
   in float64 on the same rounded inputs otherwise, with
   :func:`gradient_sensitivity` for signed weights (else zeros).
   """
-  what = spec.what_options({**spec.test_options, **options})
+  what = spec.what_options({**suite_options(spec), **options})
   oracle = spec.build_reference(**what)
   if spec.weights is None:
     ct = jnp.asarray(ct, jnp.float32)

@@ -84,7 +84,7 @@ def test_approximation_error_falls_with_more_features(tmp_path):
 
 def _run_script(*args: str) -> subprocess.CompletedProcess:
   return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True,
-                        cwd=pathlib.Path(__file__).resolve().parents[1], timeout=300, check=False)
+                        cwd=pathlib.Path(__file__).resolve().parents[2], timeout=300, check=False)
 
 
 def test_help_lists_the_shared_flags_too():

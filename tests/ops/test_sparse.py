@@ -10,7 +10,7 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _helpers import Shape, assert_close, largest_intermediate, make_qkv
+from _helpers import Shape, assert_close, largest_intermediate, make_qkv, suite_options
 
 import linattn_jax as la
 from linattn_jax import masks
@@ -172,7 +172,7 @@ def test_bad_options_raise(call, match):
 def test_registered_dense_mask_is_the_twin(name, causal):
   spec = la.get_spec(name)
   q, k, v = make_qkv(Shape(B=1, T=12, S=12, N=2, K=1, H=4, D=3))
-  mask = spec.dense_mask(12, 12, is_causal=causal, **spec.what_options(spec.test_options))
-  got = jax.jit(functools.partial(spec.build(**spec.test_options), is_causal=causal))(q, k, v)
+  mask = spec.dense_mask(12, 12, is_causal=causal, **spec.what_options(suite_options(spec)))
+  got = jax.jit(functools.partial(spec.build(**suite_options(spec)), is_causal=causal))(q, k, v)
   want = la.softmax_attention(q, k, v, mask=mask, is_causal=causal)
   assert_close(got, want, jnp.float32)

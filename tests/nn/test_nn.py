@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _helpers import TOLERANCE, CompileCounter
+from _helpers import TOLERANCE, CompileCounter, suite_options
 from flax import linen, nnx
 
 import linattn_jax as la
@@ -25,7 +25,7 @@ def _options(name: str) -> dict:
   """The suite's small options, minus those the layer owns (it draws its own arrays)."""
   spec = get_spec(name)
   owned = spec.params.names + ("rng",) if spec.params is not None else ()
-  return {k: v for k, v in spec.test_options.items() if k not in owned}
+  return {k: v for k, v in suite_options(spec).items() if k not in owned}
 
 
 def _layer(name: str, dtype=None, **kw) -> nn.MultiHeadAttention:
