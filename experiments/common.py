@@ -7,10 +7,17 @@ defined here once; each script reads it through these holders.
 from __future__ import annotations
 
 import json
+import logging
 import pathlib
 from typing import Any
 
 from absl import flags
+
+import linattn_jax as la
+
+# JAX logs at INFO that it found no TPU; absl prints INFO, so without this it would be the
+# first line of every script on a machine without one.
+logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
 
 HEADS = flags.DEFINE_integer("heads", 8, "Query heads N.")
 HEAD_DIM = flags.DEFINE_integer("head_dim", 64, "Query/key head dim H.")
@@ -28,6 +35,19 @@ PLOT = flags.DEFINE_bool("plot", True, "Write PNG plots (needs matplotlib).")
 ATTENTIONS = flags.DEFINE_list(
     "attentions", None, "Registered variants to run (compare: also name@label entries). "
     "Default: the script's own list (its module docstring names it).")
+
+
+@flags.validator("attentions")
+def _registered(entries: list[str] | None) -> bool:
+  """Each entry (``name`` or ``name@label``) names a registered variant; a bad one stops the
+  script with this one line (and a pointer to ``--help``), not the whole flag list."""
+  unknown = sorted({e.split("@", 1)[0] for e in entries or ()} - set(la.available_attentions()))
+  if unknown:
+    raise flags.ValidationError(
+        f"unknown attention(s) {unknown}; available: {la.available_attentions()}")
+  return True
+
+
 OPTIONS_BY_ATTENTION = flags.DEFINE_string(
     "options_by_attention", None, "JSON object {variant (or compare entry): {option: value}}. "
     "Default: the script's own options.")

@@ -30,7 +30,6 @@ import jax.numpy as jnp
 from absl import app
 from flax import nnx
 
-import linattn_jax as la
 from experiments import common, data, train
 
 # --attentions: entries to compare, registered names each optionally labelled
@@ -158,10 +157,6 @@ def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   entries = common.ATTENTIONS.value or list(DEFAULT_ATTENTIONS)
-  unknown = [a for a in entries if attention_name(a) not in la.available_attentions()]
-  if unknown:
-    raise app.UsageError(f"--attentions {unknown} are unknown; available: "
-                         f"{la.available_attentions()}.")
   options = entry_options(entries, common.OPTIONS_BY_ATTENTION.value)
   base = train.config_from_flags()
   train.quiet_orbax()

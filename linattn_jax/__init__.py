@@ -16,7 +16,7 @@ The examples in the docstrings assume::
     from linattn_jax import feature_maps, masks, nn, parallel
 """
 
-from linattn_jax import feature_maps, masks
+from linattn_jax import feature_maps, masks, nn, parallel
 from linattn_jax._src.dense import softmax_attention_reference
 from linattn_jax._src.efficient import (
     EfficientState,
@@ -104,9 +104,11 @@ __all__ = [
     "longformer_attention",
     "log_heinsen_attention",
     "masks",
+    "nn",
     "performer_attention",
     "performer_attention_reference",
     "performer_attention_step",
+    "parallel",
     "PerformerState",
     "register_attention",
     "softmax_attention",

@@ -224,6 +224,25 @@ def _split_arrays(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, An
   return arrays, {k: v for k, v in options.items() if k not in arrays}
 
 
+def _enters_given_mesh(fn):
+  """Runs ``fn`` inside ``jax.set_mesh(mesh)`` (its ``mesh=``) when that mesh has Explicit
+  axes (as ``jax.make_mesh`` makes) and no mesh is set: given the mesh, a caller need not
+  also enter it. Outside any ``jit``; inside one, the caller's mesh context applies."""
+  @functools.wraps(fn)
+  def wrapped(*args, mesh: Mesh, **kwargs):
+    explicit = isinstance(mesh, Mesh) and AxisType.Explicit in tuple(mesh.axis_types)
+    if explicit and jax.sharding.get_abstract_mesh().empty and not _tracing(args):
+      with jax.set_mesh(mesh):
+        return fn(*args, mesh=mesh, **kwargs)
+    return fn(*args, mesh=mesh, **kwargs)
+  return wrapped
+
+
+def _tracing(args) -> bool:
+  return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args))
+
+
+@_enters_given_mesh
 def context_parallel_attention(
     query: Any, key: Any, value: Any, *, attention: str, mesh: Mesh, axis_name: Any,
     is_causal: bool = True, key_value_seq_lengths: Any = None, **options: Any,
@@ -509,6 +528,7 @@ def _ring_bwd(ring: _Ring, residuals, d_out):
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
+@_enters_given_mesh
 @checks.compiled("mesh", "axis_name", "is_causal", "scale", "block_q", "block_k",
                  "load_balance")
 def ring_attention(

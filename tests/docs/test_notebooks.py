@@ -14,7 +14,8 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-NOTEBOOKS = sorted(pathlib.Path("notebooks").glob("*.ipynb"))
+# From the repository root, wherever pytest runs from.
+NOTEBOOKS = sorted((pathlib.Path(__file__).resolve().parents[2] / "notebooks").glob("*.ipynb"))
 
 
 def test_the_six_notebooks_are_here():

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -80,3 +82,14 @@ def test_the_oracles_reject_bad_input_under_their_own_name(name):
     fn(q, kv, kv)
   with pytest.raises(ValueError, match=rf"^{name}: is_causal must be a static Python bool"):
     jax.jit(lambda causal: fn(q, q, q, is_causal=causal))(True)
+
+
+def test_submodules_are_attributes_of_the_package():
+  """``import linattn_jax as la`` alone gives ``la.nn``, ``la.parallel``, ``la.masks`` and
+  ``la.feature_maps`` (checked in a fresh interpreter: here they are imported already)."""
+  code = ("import linattn_jax as la; print(la.nn.MultiHeadAttention.__name__, "
+          "la.parallel.ring_attention.__name__, la.masks.causal.__name__, "
+          "la.feature_maps.relu.__name__)")
+  done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                        check=True, timeout=120)
+  assert done.stdout.split() == ["MultiHeadAttention", "ring_attention", "causal", "relu"]

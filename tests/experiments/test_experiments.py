@@ -94,12 +94,22 @@ def test_help_lists_the_shared_flags_too():
       assert flag in result.stdout, f"{script} --help omits {flag}"
 
 
+def test_a_bad_attentions_value_prints_one_error_line_not_the_flag_list():
+  result = _run_script("experiments.decode", "--attentions=softmax,no_such_attention")
+  assert result.returncode != 0
+  lines = (result.stdout + result.stderr).strip().splitlines()
+  assert lines[0].startswith("FATAL Flags parsing error: flag --attentions=")
+  assert "unknown attention(s) ['no_such_attention']; available: [" in lines[0]
+  assert lines[1:] == ["Pass --helpshort or --helpfull to see help on flags."]
+
+
 def test_a_failing_case_makes_the_run_fail_after_writing_every_case(tmp_path):
   result = _run_script(
       "experiments.benchmark", "--variants=local", "--options={\"window_size\": [-1, 0]}",
       "--lengths=16", "--modes=forward", "--heads=1", "--head_dim=4", "--repeats=1",
       "--warmup=0", "--noplot", "--nomatmul_baseline", f"--output_dir={tmp_path}")
   assert result.returncode != 0
+  assert "Unable to initialize backend" not in result.stdout + result.stderr  # No TPU: quiet.
   assert "2 benchmark case(s) failed" in result.stderr  # The variant and its masked twin.
   assert "FAILED local blocked T=16 forward" in result.stdout
   cases = json.loads((tmp_path / "benchmark.json").read_text())["cases"]

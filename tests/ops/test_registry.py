@@ -7,9 +7,19 @@ import functools
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _helpers import SHAPES, make_qkv
+from _helpers import (
+  SHAPES,
+  SUITE_SETTINGS,
+  Case,
+  assert_matches_oracle,
+  build,
+  make_qkv,
+  spec_cases,
+  suite_options,
+)
 
 import linattn_jax as la
+from linattn_jax._src import registry
 
 
 def test_foundation_variants_are_registered():
@@ -54,7 +64,6 @@ def test_names_register_once():
     la.register_attention(la.get_spec("softmax"))
 
 
-
 def test_a_spec_names_its_extra_per_token_inputs_and_calls_without_them_fail():
   """``extra_inputs`` (gates, betas): keyword arguments of every call, never options."""
   def gated(query, key, value, *, log_decay, is_causal=False, key_value_seq_lengths=None):
@@ -73,20 +82,36 @@ def test_a_spec_names_its_extra_per_token_inputs_and_calls_without_them_fail():
 
 
 def test_a_registered_variant_joins_the_shared_suite_with_its_defaults(monkeypatch):
-  """The suite's cases come from the registry: registering is all a variant does to join
-  (with its default options and every implementation it lists)."""
-  from _helpers import SHAPES, Case, assert_matches_oracle, build, spec_cases
+  """The suite's cases come from the registry: registering is all a variant does to join.
+  One the suite's table (``SUITE_SETTINGS``) does not list runs with its default options
+  and every implementation it lists."""
 
-  from linattn_jax._src import registry
-
-  def halved(query, key, value, *, is_causal=False, key_value_seq_lengths=None):
+  def halved(query, key, value, *, is_causal=False, key_value_seq_lengths=None,
+             implementation="xla"):
     return la.softmax_attention(query, key, value, scale=0.5, is_causal=is_causal,
-                                key_value_seq_lengths=key_value_seq_lengths)
+                                key_value_seq_lengths=key_value_seq_lengths,
+                                implementation=implementation)
 
   spec = la.AttentionSpec(name="halved_softmax", function=halved,
-                          reference=functools.partial(la.softmax_attention_reference, scale=0.5))
+                          reference=functools.partial(la.softmax_attention_reference, scale=0.5),
+                          implementations=("xla", "flash"))
+  assert spec.name not in SUITE_SETTINGS
   monkeypatch.setitem(registry._REGISTRY, spec.name, spec)
-  assert [c for c in spec_cases() if c.spec is spec] == [Case(spec, None)]
-  fast, _ = build(spec, None)
+  cases = [c for c in spec_cases() if c.spec is spec]
+  assert cases == [Case(spec, "xla"), Case(spec, "flash")]
+  assert [c.id for c in cases] == ["halved_softmax-xla", "halved_softmax-flash"]
+  assert suite_options(spec) == {}
   q, k, v = make_qkv(SHAPES[0])
-  assert_matches_oracle(fast(q, k, v, is_causal=True), spec, q, k, v, is_causal=True)
+  for case in cases:
+    fast, _ = build(*case)
+    assert_matches_oracle(fast(q, k, v, is_causal=True), spec, q, k, v, is_causal=True)
+
+
+def test_the_suite_settings_name_registered_variants_implementations_and_options():
+  """A stale entry in the suite's table (a renamed variant, a dropped implementation, a
+  misspelt option) fails here instead of being silently ignored."""
+  for name, settings in SUITE_SETTINGS.items():
+    spec = la.get_spec(name)  # Raises for a name that is not registered.
+    extra = set(settings.implementations or ()) - set(spec.implementations)
+    assert not extra, f"{name}: the suite runs {sorted(extra)}, not among {spec.implementations}"
+    spec.build(**settings.options)  # Raises for an option the function does not take.

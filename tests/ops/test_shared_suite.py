@@ -384,14 +384,15 @@ def test_mismatched_states_raise_value_errors_naming_the_field_and_shapes(spec):
 # 4. Transformations --------------------------------------------------------
 
 
+def _hardest_inputs(case):
+  """The case's function, its hardest mode, and ``SHAPES[0]``'s inputs with padding."""
+  fast, _ = build(*case)
+  return fast, _hardest_mode(*case), SHAPES[0], make_qkv(SHAPES[0]), kv_lengths(SHAPES[0])
+
+
 @case_param
 def test_jit_equals_eager_and_does_not_retrace(case):
-  spec, impl = case
-  fast, _ = build(spec, impl)
-  is_causal = _hardest_mode(spec, impl)
-  shape = SHAPES[0]
-  q, k, v = make_qkv(shape)
-  lengths = kv_lengths(shape)
+  fast, is_causal, shape, (q, k, v), lengths = _hardest_inputs(case)
   traces = []
 
   def traced(q, k, v, lengths):
@@ -409,12 +410,7 @@ def test_jit_equals_eager_and_does_not_retrace(case):
 
 @case_param
 def test_vmap_and_unbatched(case):
-  spec, impl = case
-  fast, _ = build(spec, impl)
-  is_causal = _hardest_mode(spec, impl)
-  shape = SHAPES[0]
-  q, k, v = make_qkv(shape)
-  lengths = kv_lengths(shape)
+  fast, is_causal, shape, (q, k, v), lengths = _hardest_inputs(case)
   # Compiled: eager execution has its own test above.
   call = jax.jit(lambda q, k, v, n: _call(fast, q, k, v, is_causal, n))
   batched = call(q, k, v, lengths)

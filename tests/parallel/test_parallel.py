@@ -240,3 +240,19 @@ def test_a_layer_with_context_parallelism_equals_the_plain_layer(attention):
   x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 24, 16)), jnp.float32)
   out = nnx.jit(lambda m, x: m(x, is_causal=True))(sharded, x)
   chex.assert_trees_all_close(out, plain(x, is_causal=True), atol=2e-5, rtol=2e-5)
+
+
+def test_a_mesh_with_explicit_axes_need_not_be_entered():
+  """``jax.make_mesh`` gives Explicit axes; the functions were given the mesh, so unplaced
+  arrays work without ``jax.set_mesh`` (and inside it, as before)."""
+  mesh = jax.make_mesh((4,), ("seq",), devices=jax.devices("cpu")[:4])
+  assert AxisType.Explicit in tuple(mesh.axis_types)
+  q, k, v = make_qkv(Shape(B=1, T=16, S=16, N=2, K=1, H=4, D=3))
+  cp = parallel.ContextParallel(mesh, "seq")
+  for name, run in (
+      ("softmax", functools.partial(parallel.ring_attention, mesh=mesh, axis_name="seq")),
+      ("linear_elu", functools.partial(parallel.context_parallel_attention, mesh=mesh,
+                                       axis_name="seq", attention="linear_elu")),
+      ("linear_elu", functools.partial(cp.attend, "linear_elu"))):
+    want = la.get_attention(name)(q, k, v, is_causal=True)
+    np.testing.assert_allclose(run(q, k, v, is_causal=True), want, atol=2e-5, rtol=2e-5)

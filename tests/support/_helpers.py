@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, NamedTuple
@@ -13,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import linattn_jax as la
-from linattn_jax._src.checks import accumulation_dtype
+from linattn_jax._src.checks import Dims, accumulation_dtype
 
 # (atol, rtol) of a fast implementation against its oracle, per input dtype.
 # The oracle runs on the same (already rounded) inputs, so the budget covers
@@ -34,17 +33,10 @@ GRAD_TOLERANCE = {
 }
 
 
-@dataclasses.dataclass(frozen=True)
-class Shape:
-  """Sizes of one test case, in the toolkit's letters."""
+class Shape(Dims):
+  """Sizes of one test case, in the toolkit's letters (the library's ``Dims``)."""
 
-  B: int
-  T: int
-  S: int
-  N: int
-  K: int
-  H: int
-  D: int
+  __slots__ = ()
 
   def __str__(self) -> str:
     return f"B{self.B}T{self.T}S{self.S}N{self.N}K{self.K}H{self.H}D{self.D}"
@@ -115,8 +107,11 @@ SUITE_SETTINGS: dict[str, SuiteSettings] = {
     "bigbird": SuiteSettings({"block_size": 2, "num_window_blocks": 3, "num_global_blocks": 1,
                               "num_random_blocks": 1, "rng": 0}),
     "block_sparse": SuiteSettings({"layout": example_layout, "block_size": 3}),
+    # Its oracle is judged by its own tests; the default dispatch by test_efficient.
     "efficient": SuiteSettings({"chunk_size": 4}, ("parallel", "scan", "chunked")),
     "flash": SuiteSettings({"block_q": 4, "block_k": 8}),
+    # Heinsen's per-feature log-scale in the summary (whole-sequence prefix) form and the
+    # chunked one; its scan form runs through the streaming step.
     "heinsen": SuiteSettings({"chunk_size": 4}, _CORE_FORMS),
     "linear_elu": SuiteSettings({"chunk_size": 4}, _CORE_FORMS),
     "linear_learned": SuiteSettings({"chunk_size": 4, "num_features": 6}, _CORE_FORMS),
