@@ -47,7 +47,6 @@ from linattn_jax._src import checks, recurrence
 from linattn_jax._src.masks import causal_predicate, length_predicate
 from linattn_jax._src.online_softmax import exponent_shift, safe_divide
 from linattn_jax._src.recurrence import DEFAULT_PER_FEATURE_CHUNK_SIZE as DEFAULT_CHUNK_SIZE
-from linattn_jax._src.registry import AttentionSpec, StreamingSpec, register_attention
 
 EfficientImplementation = Literal["reference", "parallel", "scan", "chunked"]
 IMPLEMENTATIONS: tuple[str, ...] = typing.get_args(EfficientImplementation)
@@ -338,13 +337,7 @@ def _summarize(key: Any, value: Any, *, key_value_seq_lengths: Any = None) -> Ef
                                    key_value_seq_lengths=key_value_seq_lengths)
 
 
-register_attention(AttentionSpec(
-    name="efficient",
-    function=efficient_attention,
-    reference=efficient_attention_reference,
-    how_options=frozenset({"implementation", "chunk_size"}),
-    implementations=IMPLEMENTATIONS,
-    noncausal_only=frozenset({"parallel"}),
-    streaming=StreamingSpec(init=_init_like, step=efficient_attention_step, summarize=_summarize,
-                            combine=recurrence.combine_states),
-))
+recurrence.register_recurrent(
+    "efficient", function=efficient_attention, reference=efficient_attention_reference,
+    init=_init_like, step=efficient_attention_step, summarize=_summarize,
+    implementations=IMPLEMENTATIONS)

@@ -53,7 +53,6 @@ from linattn_jax._src import checks, recurrence
 from linattn_jax._src import masks as masks_lib
 from linattn_jax._src.online_softmax import exponent_shift, logaddexp, logsumexp
 from linattn_jax._src.recurrence import DEFAULT_PER_FEATURE_CHUNK_SIZE as DEFAULT_CHUNK_SIZE
-from linattn_jax._src.registry import AttentionSpec, StreamingSpec, register_attention
 
 HeinsenImplementation = Literal["reference", "parallel", "scan", "associative_scan", "chunked"]
 IMPLEMENTATIONS: tuple[str, ...] = typing.get_args(HeinsenImplementation)
@@ -466,12 +465,8 @@ def _summarize(key: Any, value: Any, *, key_value_seq_lengths: Any = None) -> He
                                    key_value_seq_lengths=key_value_seq_lengths)
 
 
-register_attention(AttentionSpec(
-    name="heinsen",
-    function=heinsen_attention,
-    reference=heinsen_attention_reference,
-    how_options=frozenset({"implementation", "chunk_size"}),
-    implementations=IMPLEMENTATIONS,
-    streaming=StreamingSpec(init=_init_state_like, step=heinsen_attention_step,
-                            summarize=_summarize, combine=recurrence.combine_states),
-))
+# Causal "parallel" is the associative scan over every position, so no form is non-causal only.
+recurrence.register_recurrent(
+    "heinsen", function=heinsen_attention, reference=heinsen_attention_reference,
+    init=_init_state_like, step=heinsen_attention_step, summarize=_summarize,
+    implementations=IMPLEMENTATIONS, noncausal_only=frozenset())

@@ -55,10 +55,7 @@ from linattn_jax._src.feature_maps import FeatureMap, elu_plus_one, projected, r
 from linattn_jax._src.masks import causal
 from linattn_jax._src.recurrence import DEFAULT_CHUNK_SIZE, DEFAULT_EPS
 from linattn_jax._src.registry import (
-    AttentionSpec,
     ParamSpec,
-    StreamingSpec,
-    register_attention,
 )
 
 LinearImplementation = Literal["reference", "parallel", "scan", "associative_scan", "chunked"]
@@ -449,18 +446,10 @@ def _register(name: str, feature_map: FeatureMap | None = None,
       return params.bind(fn, head_dim_at=head_dim_at)
     return functools.partial(fn, feature_map=feature_map)
 
-  register_attention(AttentionSpec(
-      name=name,
-      function=bind(linear_attention),
-      reference=bind(linear_attention_reference),
-      how_options=frozenset({"implementation", "chunk_size"}),
-      implementations=IMPLEMENTATIONS,
-      noncausal_only=frozenset({"parallel"}),
-      streaming=StreamingSpec(init=bind(_init_like), step=bind(linear_attention_step, 1),
-                              summarize=bind(_summarize), combine=recurrence.combine_states),
-      weights=bind(_weights),
-      params=params,
-  ))
+  recurrence.register_recurrent(
+      name, function=linear_attention, reference=linear_attention_reference, init=_init_like,
+      step=linear_attention_step, summarize=_summarize, implementations=IMPLEMENTATIONS,
+      weights=_weights, params=params, bind=bind)
 
 
 _register("linear_elu", elu_plus_one)

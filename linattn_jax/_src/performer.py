@@ -52,10 +52,7 @@ from linattn_jax._src.linear import (
 )
 from linattn_jax._src.recurrence import DEFAULT_CHUNK_SIZE, DEFAULT_EPS
 from linattn_jax._src.registry import (
-    AttentionSpec,
     ParamSpec,
-    StreamingSpec,
-    register_attention,
 )
 
 KERNELS = {"positive": favor_plus, "trig": random_fourier}
@@ -397,18 +394,10 @@ def _register(name: str, kernel: str) -> None:
   def bind(fn, head_dim_at=0):
     return arrays.bind(functools.partial(fn, kernel=kernel), head_dim_at=head_dim_at)
 
-  register_attention(AttentionSpec(
-      name=name,
-      function=bind(performer_attention),
-      reference=bind(performer_attention_reference),
-      how_options=frozenset({"implementation", "chunk_size"}),
-      implementations=IMPLEMENTATIONS,
-      noncausal_only=frozenset({"parallel"}),
-      streaming=StreamingSpec(init=bind(_init_like), step=bind(performer_attention_step, 1),
-                              summarize=bind(_summarize), combine=recurrence.combine_states),
-      weights=bind(_weights),
-      params=arrays,
-  ))
+  recurrence.register_recurrent(
+      name, function=performer_attention, reference=performer_attention_reference,
+      init=_init_like, step=performer_attention_step, summarize=_summarize,
+      implementations=IMPLEMENTATIONS, weights=_weights, params=arrays, bind=bind)
 
 
 _register("performer", "positive")

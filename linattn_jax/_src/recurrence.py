@@ -80,6 +80,7 @@ from linattn_jax._src import checks
 from linattn_jax._src.blocks import merge_blocks, pad_axis, split_blocks
 from linattn_jax._src.masks import causal, length_predicate
 from linattn_jax._src.online_softmax import exponent_shift, safe_divide
+from linattn_jax._src.registry import AttentionSpec, ParamSpec, StreamingSpec, register_attention
 
 Read = Literal["kernel", "per_feature"]
 DEFAULT_CHUNK_SIZE = 64
@@ -674,3 +675,34 @@ def _recurrent_attention(query, key, value, lengths, state, params, *, family, c
                       chunk_size=chunk_size)
   out = out.transpose(0, 3, 1, 2, 4).reshape(B, T, N, D).astype(p.query.dtype)
   return p.restore(out), _from_carry(carry, family.state_cls, p.batched)
+
+
+# Registration --------------------------------------------------------------------
+
+
+def register_recurrent(name: str, *, function: Callable[..., Any], reference: Callable[..., Any],
+                       init: Callable[..., Any], step: Callable[..., Any],
+                       summarize: Callable[..., Any], implementations: tuple[str, ...],
+                       noncausal_only: frozenset[str] = frozenset({"parallel"}),
+                       weights: Callable[..., Any] | None = None,
+                       params: ParamSpec | None = None,
+                       bind: Callable[..., Any] | None = None) -> None:
+  """Registers a variant on this core: how it is chosen, streamed and combined.
+
+  ``bind(fn, head_dim_at=0)`` turns each entry point into the registered one
+  (a fixed feature map or kernel, ``params``' arrays); ``head_dim_at`` is the
+  axis of H in ``step``'s one-token inputs. Every entry point is bound alike.
+  """
+  bind = bind or (lambda fn, head_dim_at=0: fn)
+  register_attention(AttentionSpec(
+      name=name,
+      function=bind(function),
+      reference=bind(reference),
+      how_options=frozenset({"implementation", "chunk_size"}),
+      implementations=implementations,
+      noncausal_only=noncausal_only,
+      streaming=StreamingSpec(init=bind(init), step=bind(step, 1), summarize=bind(summarize),
+                              combine=combine_states),
+      weights=None if weights is None else bind(weights),
+      params=params,
+  ))
