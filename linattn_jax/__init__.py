@@ -26,6 +26,13 @@ from linattn_jax._src.efficient import (
     init_efficient_state,
 )
 from linattn_jax._src.flash import flash_attention
+from linattn_jax._src.gated import (
+    GatedState,
+    delta_rule_attention,
+    delta_rule_attention_reference,
+    gated_linear_attention,
+    gated_linear_attention_reference,
+)
 from linattn_jax._src.heinsen import (
     HeinsenState,
     heinsen_attention,
@@ -77,12 +84,17 @@ __all__ = [
     "available_attentions",
     "bigbird_attention",
     "block_sparse_attention",
+    "delta_rule_attention",
+    "delta_rule_attention_reference",
     "efficient_attention",
     "efficient_attention_reference",
     "efficient_attention_step",
     "EfficientState",
     "feature_maps",
     "flash_attention",
+    "gated_linear_attention",
+    "gated_linear_attention_reference",
+    "GatedState",
     "get_attention",
     "get_spec",
     "heinsen_attention",

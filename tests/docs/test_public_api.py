@@ -76,8 +76,10 @@ REFERENCES = [name for name in la.__all__ if name.endswith("_reference")]
 def test_the_oracles_reject_bad_input_under_their_own_name(name):
   """A user calling an oracle directly gets its name in the error, not the fast function's."""
   options = dict(projection=PROJECTION) if name.startswith("performer") else {}
-  fn = functools.partial(getattr(la, name), **options)
   q, kv = jnp.ones((1, 4, 2, 4)), jnp.ones((1, 4, 3, 4))  # H = 4: the projection's.
+  gates = jnp.zeros((1, 4, 2))  # log_decay or beta: an extra per-key input.
+  extra = (gates,) if name.startswith(("gated", "delta")) else ()
+  fn = lambda q, k, v, **kw: getattr(la, name)(q, k, v, *extra, **options, **kw)  # noqa: E731
   with pytest.raises(ValueError, match=rf"^{name}: .*multiple of.*K=3"):
     fn(q, kv, kv)
   with pytest.raises(ValueError, match=rf"^{name}: is_causal must be a static Python bool"):

@@ -1,0 +1,535 @@
+"""Gated and delta-rule linear attention: recurrences that forget, on the chunk driver.
+
+Letters: B batch, T queries, S keys, N query heads, K key/value heads (G = N / K
+query heads share each), H query/key head dim, D value head dim, C chunk length.
+The state of each key/value head is a matrix ``S [H, D]`` (no normaliser); a
+query reads ``o_t = scale · q_tᵀ S_t``.
+
+Gated linear attention (RetNet: a fixed decay per head; Mamba2 and simple GLA:
+a data-dependent decay per head; GLA: one per key feature)::
+
+    S_t = diag(exp(g_t)) S_{t-1} + k_t v_tᵀ                       g_t ≤ 0, [K] or [K, H]
+
+The delta rule (DeltaNet; Gated DeltaNet with a decay ``g_t`` per head)::
+
+    S' = exp(g_t) S_{t-1}     u_t = β_t (v_t - S'ᵀ k_t)     S_t = S' + k_t u_tᵀ
+
+Both decay first, then write. Inside a chunk the decay from key j to query i is
+``exp(Σ_{j<l≤i} g_l)``, formed from sums of log-decays that are never positive
+(a decay of -1e4 is a clean reset, no ``exp`` overflows). The delta rule's chunk
+form is the WY/UT representation (Yang et al., 2024): with ``Γ_i = exp(Σ_{l≤i} g_l)``
+inside the chunk, ``U = (I + L)⁻¹ diag(β) (V - diag(Γ) K S_0)`` where
+``L_ij = β_i (Γ_i / Γ_j) k_iᵀ k_j`` for ``j < i`` (one triangular solve per chunk),
+then ``S_C = Γ_C S_0 + Σ_j (Γ_C / Γ_j) k_j u_jᵀ``.
+
+Keys past ``key_value_seq_lengths`` are identity steps (no decay, no write); T ≠ S
+is bottom-right aligned, like every recurrent variant here.
+
+References:
+  Sun et al., "Retentive Network: A Successor to Transformer for Large Language
+  Models", 2023. Yang et al., "Gated Linear Attention Transformers with
+  Hardware-Efficient Training", 2024. Dao and Gu, "Transformers are SSMs"
+  (Mamba2), 2024. Yang et al., "Parallelizing Linear Transformers with the
+  Delta Rule over Sequence Length", 2024. Yang, Kautz and Hatamizadeh, "Gated
+  Delta Networks: Improving Mamba2 with Delta Rule", 2025.
+"""
+
+from __future__ import annotations
+
+import functools
+import typing
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.scipy.linalg import solve_triangular
+from jax.typing import ArrayLike
+
+from linattn_jax._src import checks, recurrence
+from linattn_jax._src.masks import length_predicate
+
+GatedImplementation = Literal["reference", "scan", "associative_scan", "chunked"]
+GATED_IMPLEMENTATIONS: tuple[str, ...] = typing.get_args(GatedImplementation)
+DeltaImplementation = Literal["reference", "scan", "chunked"]
+DELTA_IMPLEMENTATIONS: tuple[str, ...] = typing.get_args(DeltaImplementation)
+DEFAULT_CHUNK_SIZE = 64
+
+
+class GatedState(NamedTuple):
+  """The state of :func:`gated_linear_attention` and :func:`delta_rule_attention`.
+
+  Attributes:
+    kv: ``[B, K, H, D]`` (``[K, H, D]`` unbatched): ``S``, float32 (float64 for
+      float64 inputs). Reading it: ``o = scale · qᵀ S``.
+
+  Examples:
+    >>> x = jnp.ones((1, 4, 2, 8))  # [B, T, N=K, H=D]
+    >>> _, state = la.gated_linear_attention(x, x, x, jnp.zeros((1, 4, 2)), return_state=True)
+    >>> state.kv.shape  # [B, K, H, D]
+    (1, 2, 8, 8)
+  """
+
+  kv: jax.Array
+
+
+# Log-decays ------------------------------------------------------------------------------
+
+
+def segment_sums(g: jax.Array, axis: int) -> jax.Array:
+  """``out[..., i, j, ...] = Σ_{j<l≤i} g_l`` along ``axis`` (-inf where ``j > i``).
+
+  The new axis j follows ``axis`` (i). Summed directly, not as a difference of
+  prefix sums, so a large decay (a reset) does not cancel the small ones after it.
+  """
+  g = jnp.moveaxis(g, axis, -1)  # [..., C]
+  C = g.shape[-1]
+  later = jnp.arange(C)[:, None] > jnp.arange(C)[None, :]  # [l, j]: l > j
+  sums = jnp.cumsum(jnp.where(later, g[..., :, None], 0), axis=-2)  # [..., i, j]
+  sums = jnp.where(later | jnp.eye(C, dtype=bool), sums, -jnp.inf)
+  return jnp.moveaxis(sums, (-2, -1), (axis, axis + 1))
+
+
+def _suffix_sums(g: jax.Array, axis: int) -> jax.Array:
+  """``Σ_{l>j} g_l`` along ``axis``: the log-decay from key j to the chunk's end (summed
+  from the end, never as a difference: a reset at j does not cancel)."""
+  later = jnp.concatenate([lax.slice_in_dim(g, 1, None, axis=axis),
+                           jnp.zeros_like(lax.slice_in_dim(g, 0, 1, axis=axis))], axis=axis)
+  return jnp.flip(jnp.cumsum(jnp.flip(later, axis), axis), axis)
+
+
+# Gated linear attention: bodies on the chunk driver ---------------------------------------
+# chunk.fq [B, K, G, C, H] (scaled queries), fk [B, K, C, H], v [B, K, C, D],
+# gates = (g [B, K, C, H|1],); the carry is S [B, K, H, D].
+
+
+def _gla_absorb(config, S, chunk: recurrence.Chunk) -> jax.Array:
+  """``S <- exp(Σ g) S + Σ_j exp(Σ_{l>j} g_l) k_j v_jᵀ``."""
+  del config
+  (g,) = chunk.gates
+  total = jnp.sum(g, axis=2)[..., None]  # [B, K, H|1, 1]
+  decayed = chunk.fk * jnp.exp(_suffix_sums(g, 2))
+  return jnp.exp(total) * S + jnp.einsum("bkjh,bkjd->bkhd", decayed, chunk.v)
+
+
+def _gla_chunk(config, S, chunk: recurrence.Chunk):
+  """C queries against the state and the chunk's C keys: ``(S_C, out [B, K, G, C, D])``."""
+  (g,) = chunk.gates
+  q, k = chunk.fq, chunk.fk
+  prefix = jnp.cumsum(g, axis=2)  # [B, K, C, H|1]: Σ_{l≤i} g_l from the chunk's start.
+  decay = jnp.exp(segment_sums(g, 2))  # [B, K, C(i), C(j), H|1]; 0 where j > i.
+  if g.shape[-1] == 1:
+    a = jnp.einsum("bkgih,bkjh->bkgij", q, k) * decay[:, :, None, ..., 0]
+  else:
+    a = jnp.einsum("bkgih,bkijh->bkgij", q, decay * k[:, :, None])
+  out = (jnp.einsum("bkgij,bkjd->bkgid", a, chunk.v)
+         + jnp.einsum("bkgih,bkhd->bkgid", q * jnp.exp(prefix)[:, :, None], S))
+  return _gla_absorb(config, S, chunk), out
+
+
+def _gla_token(S, x):
+  q, k, v, g = x  # [B, K, G, H], [B, K, H], [B, K, D], [B, K, H|1]
+  S = jnp.exp(g)[..., None] * S + k[..., None] * v[..., None, :]
+  return S, jnp.einsum("bkgh,bkhd->bkgd", q, S)
+
+
+def _by_token(token, S, chunk: recurrence.Chunk):
+  """``token(S, (q, k, v, *gates)) -> (S, out)`` scanned over the chunk's positions."""
+  xs = (jnp.moveaxis(chunk.fq, 3, 0), *(jnp.moveaxis(x, 2, 0)
+                                        for x in (chunk.fk, chunk.v, *chunk.gates)))
+  S, out = lax.scan(token, S, xs)
+  return S, jnp.moveaxis(out, 0, 3)
+
+
+def _gla_scan(config, S, chunk):
+  del config
+  return _by_token(_gla_token, S, chunk)
+
+
+def _gla_associative_scan(config, S, chunk):
+  """Prefix states by the associative ``(a1, S1) ∘ (a2, S2) = (a1 a2, a2 S1 + S2)``
+  (``a`` as a log-decay)."""
+  del config
+  (g,) = chunk.gates
+
+  def compose(earlier, later):
+    return earlier[0] + later[0], jnp.exp(later[0])[..., None] * earlier[1] + later[1]
+
+  writes = chunk.fk[..., None] * chunk.v[..., None, :]  # [B, K, C, H, D]
+  log_a, states = lax.associative_scan(compose, (g, writes), axis=2)
+  states = jnp.exp(log_a)[..., None] * S[:, :, None] + states  # [B, K, C, H, D]
+  return states[:, :, -1], jnp.einsum("bkgih,bkihd->bkgid", chunk.fq, states)
+
+
+_GLA_BODIES = {
+    "scan": _gla_scan,
+    "associative_scan": _gla_associative_scan,
+    "chunked": _gla_chunk,
+}
+
+
+# The delta rule --------------------------------------------------------------------------
+# gates = (g [B, K, C, 1], beta [B, K, C, 1]).
+
+
+def _delta_writes(S, chunk: recurrence.Chunk):
+  """The chunk's writes ``u [B, K, C, D]`` by one triangular solve (the WY/UT form), the
+  decays ``Γ_i / Γ_j`` ``[B, K, C, C]`` (0 where j > i), ``log Γ_i`` and the state after it."""
+  g, beta = (x[..., 0] for x in chunk.gates)  # [B, K, C]
+  k = chunk.fk
+  C = k.shape[2]
+  prefix = jnp.cumsum(g, axis=2)  # [B, K, C]: log Γ_i
+  decay = jnp.exp(segment_sums(g, 2))
+  strictly_lower = jnp.tril(jnp.ones((C, C), bool), -1)
+  L = jnp.where(strictly_lower, beta[..., None] * decay * jnp.einsum("bkih,bkjh->bkij", k, k), 0)
+  read = jnp.exp(prefix)[..., None] * jnp.einsum("bkih,bkhd->bkid", k, S)  # Γ_i S_0ᵀ k_i
+  eye = jnp.eye(C, dtype=L.dtype)[None, None]
+  u = solve_triangular(L + eye, beta[..., None] * (chunk.v - read), lower=True,
+                       unit_diagonal=True)
+  to_end = jnp.exp(_suffix_sums(g, 2))[..., None]  # [B, K, C, 1]: Γ_C / Γ_j
+  S_end = (jnp.exp(prefix[:, :, -1])[..., None, None] * S
+           + jnp.einsum("bkjh,bkjd->bkhd", k * to_end, u))
+  return u, decay, prefix, S_end
+
+
+def _delta_chunk(config, S, chunk: recurrence.Chunk):
+  """C queries against the state and the chunk's writes: ``(S_C, out [B, K, G, C, D])``."""
+  del config
+  u, decay, prefix, S_end = _delta_writes(S, chunk)
+  q = chunk.fq
+  a = jnp.einsum("bkgih,bkjh->bkgij", q, chunk.fk) * decay[:, :, None]
+  out = (jnp.einsum("bkgij,bkjd->bkgid", a, u)
+         + jnp.einsum("bkgih,bkhd->bkgid", q * jnp.exp(prefix)[:, :, None, :, None], S))
+  return S_end, out
+
+
+def _delta_token(S, x):
+  q, k, v, g, beta = x  # [B, K, G, H], [B, K, H], [B, K, D], [B, K, 1], [B, K, 1]
+  S = jnp.exp(g)[..., None] * S
+  u = beta * (v - jnp.einsum("bkh,bkhd->bkd", k, S))
+  S = S + k[..., None] * u[..., None, :]
+  return S, jnp.einsum("bkgh,bkhd->bkgd", q, S)
+
+
+def _delta_scan(config, S, chunk):
+  del config
+  return _by_token(_delta_token, S, chunk)
+
+
+def _delta_absorb(config, S, chunk):
+  del config
+  return _delta_writes(S, chunk)[-1]
+
+
+_DELTA_BODIES = {"scan": _delta_scan, "chunked": _delta_chunk}
+
+
+# Shared entry ----------------------------------------------------------------------------
+
+
+def _gate(x: Any, *, name: str, p: checks.Prepared, per_feature: bool, fn: str) -> jax.Array:
+  """A per-key input ``[B, S, K]`` (or ``[B, S, K, H]`` when ``per_feature``) as
+  ``[B, K, S, H|1]`` float32; unbatched calls pass it without B."""
+  B, _, S, _, K, H, _ = p.dims
+  x = jnp.asarray(x)
+  shapes = [(B, S, K)] + ([(B, S, K, H)] if per_feature else [])
+  if not p.batched:
+    x = x[None]
+  if x.shape not in shapes or not jnp.issubdtype(x.dtype, jnp.floating):
+    lead = "" if p.batched else " without B"
+    want = " or ".join(str(s if p.batched else s[1:]) for s in shapes)
+    raise ValueError(f"{fn}: {name} must be a float array {want}{lead} for key {p.key.shape}; "
+                     f"got {x.dtype} {x.shape if p.batched else x.shape[1:]}.")
+  x = x.astype(checks.accumulation_dtype(p.query.dtype))
+  return (x[..., None] if x.ndim == 3 else x).transpose(0, 2, 1, 3)
+
+
+@functools.partial(jax.jit, static_argnames=("delta", "implementation", "chunk_size", "fn"))
+def _attention(query, key, value, log_decay, beta, scale, lengths, state, *, delta: bool,
+               implementation: str, chunk_size: int, fn: str):
+  p = checks.prepare_qkv(query, key, value, fn=fn)
+  (lengths,) = checks.check_lengths(p, fn=fn, key_value_seq_lengths=lengths).values()
+  B, T, S, N, K, H, D = p.dims
+  dtype = checks.accumulation_dtype(p.query.dtype)
+  scale = checks.resolve_scale(scale, H)
+  g = (jnp.zeros((B, K, S, 1), dtype) if log_decay is None else
+       _gate(log_decay, name="log_decay", p=p, per_feature=not delta, fn=fn))
+  gates = (g,) if beta is None else (g, _gate(beta, name="beta", p=p, per_feature=False, fn=fn))
+  valid = length_predicate(jnp.arange(S), lengths)[:, None, :, None]  # [B|1, 1, S, 1]
+  hide = lambda x: jnp.where(valid, x, 0)  # noqa: E731  A padded key: no decay, no write.
+  q = (p.query.astype(dtype) * scale).reshape(B, T, K, N // K, H).transpose(0, 2, 3, 1, 4)
+  k = hide(p.key.astype(dtype).transpose(0, 2, 1, 3))
+  v = hide(p.value.astype(dtype).transpose(0, 2, 1, 3))
+  chunk = recurrence.Chunk(q, None, k, None, v, tuple(hide(x) for x in gates))
+  if state is None:
+    S0 = jnp.zeros_like(v, shape=(B, K, H, D))
+  else:
+    lead = (B,) if p.batched else ()
+    (S0,) = recurrence.check_state(
+        state, GatedState, {"kv": lead + (K, H, D)}, dims=f"B={B}, K={K}, H={H}, D={D}",
+        what="initial_state", fn=fn)
+    S0 = (S0 if p.batched else S0[None]).astype(dtype)
+  if implementation == "reference":
+    out, S_end = (_delta_reference if delta else _gla_reference)(S0, chunk)
+  else:
+    bodies = recurrence.Bodies(
+        (_DELTA_BODIES if delta else _GLA_BODIES)[implementation],
+        _delta_absorb if delta else _gla_absorb, None)
+    out, S_end = recurrence.run_chunks(bodies, None, S0, chunk, is_causal=True,
+                                       chunk_size=chunk_size)
+  out = out.transpose(0, 3, 1, 2, 4).reshape(B, T, N, D).astype(p.query.dtype)
+  return p.restore(out), GatedState(S_end if p.batched else S_end[0])
+
+
+def _run(query, key, value, log_decay, beta, *, scale, is_causal, key_value_seq_lengths,
+         initial_state, return_state, implementation, chunk_size, choices, fn):
+  is_causal = checks.check_static_bool(is_causal, name="is_causal", fn=fn)
+  if not is_causal:
+    raise ValueError(f"{fn}: is_causal=False is not supported: these are recurrences, each "
+                     "output reads the state of the keys up to its own position.")
+  implementation = checks.check_implementation(
+      implementation, choices=choices, is_causal=True, fn=fn) or "chunked"
+  chunk_size = checks.check_positive_int(chunk_size, name="chunk_size", fn=fn)
+  out, state = _attention(query, key, value, log_decay, beta, scale, key_value_seq_lengths,
+                          initial_state, delta=beta is not None, implementation=implementation,
+                          chunk_size=chunk_size, fn=fn)
+  return (out, state) if return_state else out
+
+
+def gated_linear_attention(
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    log_decay: ArrayLike,
+    *,
+    scale: float | None = None,
+    is_causal: bool = True,
+    key_value_seq_lengths: ArrayLike | None = None,
+    initial_state: GatedState | None = None,
+    return_state: bool = False,
+    implementation: GatedImplementation | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> jax.Array | tuple[jax.Array, GatedState]:
+  """Linear attention with a decaying state (RetNet, simple GLA, Mamba2, GLA).
+
+  ``S_t = diag(exp(g_t)) S_{t-1} + k_t v_tᵀ`` from ``S_0 = 0`` (or
+  ``initial_state``) and ``o_t = scale · q_tᵀ S_t``: step t decays before it
+  writes. No normaliser.
+
+  Args:
+    query: ``[B, T, N, H]`` (or unbatched ``[T, N, H]``).
+    key: ``[B, S, K, H]``; K must divide N.
+    value: ``[B, S, K, D]``.
+    log_decay: ``g``, ``[B, S, K]`` (one decay per head: constant for RetNet,
+      data-dependent for simple GLA / Mamba2) or ``[B, S, K, H]`` (one per key
+      feature: GLA); every entry ≤ 0 (``-inf`` or a large negative value resets).
+    scale: multiplies the query; default ``1 / sqrt(H)``.
+    is_causal: must be True (these are recurrences).
+    key_value_seq_lengths: optional ``[B]``: keys at or past it are identity steps.
+    initial_state: a :class:`GatedState` to continue from.
+    return_state: also return the final :class:`GatedState`.
+    implementation: ``"reference"`` (the quadratic ``(Q Kᵀ ⊙ Γ) V`` with the
+      decay matrix Γ), ``"scan"`` (token by token), ``"associative_scan"``, or
+      ``"chunked"`` (the default: chunkwise parallel, O(T) memory).
+    chunk_size: positions per chunk of ``"scan"``, ``"associative_scan"`` and ``"chunked"``.
+
+  Returns:
+    ``[B, T, N, D]`` in the input dtype; with ``return_state`` the pair
+    ``(out, state)``. T ≠ S is bottom-right aligned.
+
+  Raises:
+    ValueError: for ``is_causal=False``, bad shapes or dtypes of the arrays or
+      ``log_decay``, an unknown implementation, a bad ``chunk_size`` or a
+      state that does not match.
+
+  Examples:
+    >>> x = jax.random.normal(jax.random.key(0), (1, 16, 2, 8))  # [B, T, N=K, H=D]
+    >>> g = jnp.full((1, 16, 2), jnp.log(0.9))  # RetNet: a fixed decay per head
+    >>> la.gated_linear_attention(x, x, x, g).shape
+    (1, 16, 2, 8)
+
+  References:
+    Sun et al., "Retentive Network: A Successor to Transformer for Large
+    Language Models", 2023. Yang et al., "Gated Linear Attention Transformers
+    with Hardware-Efficient Training", 2024. Dao and Gu, "Transformers are
+    SSMs: Generalized Models and Efficient Algorithms Through Structured State
+    Space Duality", 2024.
+  """
+  return _run(query, key, value, log_decay, None, scale=scale, is_causal=is_causal,
+              key_value_seq_lengths=key_value_seq_lengths, initial_state=initial_state,
+              return_state=return_state, implementation=implementation, chunk_size=chunk_size,
+              choices=GATED_IMPLEMENTATIONS, fn="gated_linear_attention")
+
+
+def delta_rule_attention(
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    beta: ArrayLike,
+    *,
+    log_decay: ArrayLike | None = None,
+    scale: float | None = None,
+    is_causal: bool = True,
+    key_value_seq_lengths: ArrayLike | None = None,
+    initial_state: GatedState | None = None,
+    return_state: bool = False,
+    implementation: DeltaImplementation | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> jax.Array | tuple[jax.Array, GatedState]:
+  """The delta rule (DeltaNet; Gated DeltaNet with ``log_decay``).
+
+  ``S' = exp(g_t) S_{t-1}``, ``u_t = β_t (v_t - S'ᵀ k_t)``,
+  ``S_t = S' + k_t u_tᵀ``, ``o_t = scale · q_tᵀ S_t``: each write replaces
+  part of what the key already stores. The keys are used as given (the
+  papers' layers L2-normalise them first).
+
+  Args:
+    query: ``[B, T, N, H]`` (or unbatched ``[T, N, H]``).
+    key: ``[B, S, K, H]``; K must divide N.
+    value: ``[B, S, K, D]``.
+    beta: ``[B, S, K]`` write strengths in [0, 1].
+    log_decay: optional ``g`` ``[B, S, K]``, ≤ 0 (None: no decay, DeltaNet).
+    scale: multiplies the query; default ``1 / sqrt(H)``.
+    is_causal: must be True (these are recurrences).
+    key_value_seq_lengths: optional ``[B]``: keys at or past it are identity steps.
+    initial_state: a :class:`GatedState` to continue from.
+    return_state: also return the final :class:`GatedState`.
+    implementation: ``"reference"`` (token by token, unrolled), ``"scan"``
+      (token by token on ``lax.scan``) or ``"chunked"`` (the default: the
+      WY/UT chunk form, one triangular solve per chunk).
+    chunk_size: positions per chunk of ``"scan"`` and ``"chunked"``.
+
+  Returns:
+    ``[B, T, N, D]`` in the input dtype; with ``return_state`` the pair
+    ``(out, state)``. T ≠ S is bottom-right aligned.
+
+  Raises:
+    ValueError: for ``is_causal=False``, bad shapes or dtypes of the arrays,
+      ``beta`` or ``log_decay``, an unknown implementation, a bad
+      ``chunk_size`` or a state that does not match.
+
+  Examples:
+    >>> x = jax.random.normal(jax.random.key(0), (1, 16, 2, 8))  # [B, T, N=K, H=D]
+    >>> k = x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+    >>> la.delta_rule_attention(x, k, x, jnp.full((1, 16, 2), 0.5)).shape
+    (1, 16, 2, 8)
+
+  References:
+    Yang et al., "Parallelizing Linear Transformers with the Delta Rule over
+    Sequence Length", 2024. Yang, Kautz and Hatamizadeh, "Gated Delta
+    Networks: Improving Mamba2 with Delta Rule", 2025.
+  """
+  return _run(query, key, value, log_decay, beta, scale=scale, is_causal=is_causal,
+              key_value_seq_lengths=key_value_seq_lengths, initial_state=initial_state,
+              return_state=return_state, implementation=implementation, chunk_size=chunk_size,
+              choices=DELTA_IMPLEMENTATIONS, fn="delta_rule_attention")
+
+
+# Oracles ---------------------------------------------------------------------------------
+
+
+def _aligned(chunk: recurrence.Chunk) -> recurrence.Chunk:
+  """Keys aligned with the queries (bottom-right): T - S hidden keys in front for T > S."""
+  T, S = chunk.num_queries, chunk.num_keys
+  return chunk.pad_keys(front=max(T - S, 0))
+
+
+def _gla_reference(S0, chunk: recurrence.Chunk):
+  """``(Q Kᵀ ⊙ Γ) V + (Q ⊙ exp(G)) S_0`` with ``Γ_ij = exp(G_i - G_j)``, ``G`` the prefix
+  sums of the log-decays, all positions at once (float32; moderate decays only)."""
+  chunk = _aligned(chunk)
+  (g,) = chunk.gates
+  T, S = chunk.num_queries, chunk.num_keys
+  G = jnp.cumsum(g, axis=2)  # [B, K, S, H|1]
+  Gq = G[:, :, S - T:]  # query i sits at key position i + S - T.
+  visible = jnp.arange(S)[None, :] <= jnp.arange(T)[:, None] + S - T  # [T, S]
+  gamma = jnp.exp(jnp.where(visible[..., None], Gq[:, :, :, None] - G[:, :, None], -jnp.inf))
+  a = jnp.einsum("bkgih,bkjh,bkijh->bkgij", chunk.fq, chunk.fk,
+                 jnp.broadcast_to(gamma, gamma.shape[:-1] + (chunk.fk.shape[-1],)))
+  out = (jnp.einsum("bkgij,bkjd->bkgid", a, chunk.v)
+         + jnp.einsum("bkgih,bkhd->bkgid", chunk.fq * jnp.exp(Gq)[:, :, None], S0))
+  to_end = jnp.exp(G[:, :, -1:] - G)  # [B, K, S, H|1]
+  S_end = (jnp.exp(G[:, :, -1])[..., None] * S0
+           + jnp.einsum("bkjh,bkjd->bkhd", chunk.fk * to_end, chunk.v))
+  return out, S_end
+
+
+def _delta_reference(S0, chunk: recurrence.Chunk):
+  """The delta rule token by token, written out (a Python loop: small T only)."""
+  chunk = _aligned(chunk)
+  T, S = chunk.num_queries, chunk.num_keys
+  g, beta = chunk.gates
+  outs, state = [], S0
+  for j in range(S):
+    state = jnp.exp(g[:, :, j])[..., None] * state
+    u = beta[:, :, j] * (chunk.v[:, :, j] - jnp.einsum("bkh,bkhd->bkd", chunk.fk[:, :, j], state))
+    state = state + chunk.fk[:, :, j, :, None] * u[:, :, None, :]
+    if j >= S - T:
+      outs.append(jnp.einsum("bkgh,bkhd->bkgd", chunk.fq[:, :, :, j - (S - T)], state))
+  return jnp.stack(outs, axis=3), state
+
+
+def gated_linear_attention_reference(query: ArrayLike, key: ArrayLike, value: ArrayLike,
+                                     log_decay: ArrayLike, **options: Any):
+  """The oracle of :func:`gated_linear_attention`: ``(Q Kᵀ ⊙ Γ) V`` at once, float32.
+
+  ``Γ_ij = exp(G_i - G_j)`` for the prefix sums ``G`` of ``log_decay`` (moderate
+  decays: a reset's large sums cancel here, not in the fast forms). Takes the
+  arrays ``[B, T, N, H]``, ``[B, S, K, H]``, ``[B, S, K, D]``, ``[B, S, K(, H)]``
+  and the options of :func:`gated_linear_attention` but ``implementation``.
+
+  Raises:
+    ValueError: as :func:`gated_linear_attention`, under this name.
+
+  Examples:
+    >>> x = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))
+    >>> g = jnp.full((1, 8, 2), -0.1)
+    >>> fast = la.gated_linear_attention(x, x, x, g)
+    >>> bool(jnp.allclose(fast, la.gated_linear_attention_reference(x, x, x, g), atol=1e-5))
+    True
+
+  References:
+    Yang et al., "Gated Linear Attention Transformers with Hardware-Efficient
+    Training", 2024.
+  """
+  return _reference_call(query, key, value, log_decay, None, options,
+                         fn="gated_linear_attention_reference")
+
+
+def delta_rule_attention_reference(query: ArrayLike, key: ArrayLike, value: ArrayLike,
+                                   beta: ArrayLike, **options: Any):
+  """The oracle of :func:`delta_rule_attention`: the token recurrence written out.
+
+  A Python loop over the S keys (small S only), float32. Takes the arrays
+  ``[B, T, N, H]``, ``[B, S, K, H]``, ``[B, S, K, D]``, ``[B, S, K]`` and the
+  options of :func:`delta_rule_attention` but ``implementation``.
+
+  Raises:
+    ValueError: as :func:`delta_rule_attention`, under this name.
+
+  Examples:
+    >>> x = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))
+    >>> beta = jnp.full((1, 8, 2), 0.5)
+    >>> fast = la.delta_rule_attention(x, x, x, beta)
+    >>> bool(jnp.allclose(fast, la.delta_rule_attention_reference(x, x, x, beta), atol=1e-5))
+    True
+
+  References:
+    Yang et al., "Parallelizing Linear Transformers with the Delta Rule over
+    Sequence Length", 2024.
+  """
+  log_decay = options.pop("log_decay", None)
+  return _reference_call(query, key, value, log_decay, beta, options,
+                         fn="delta_rule_attention_reference")
+
+
+def _reference_call(query, key, value, log_decay, beta, options, *, fn):
+  if "implementation" in options:
+    raise ValueError(f"{fn}: takes no implementation (it is the reference).")
+  defaults = dict(scale=None, is_causal=True, key_value_seq_lengths=None, initial_state=None,
+                  return_state=False, chunk_size=DEFAULT_CHUNK_SIZE)
+  unknown = set(options) - set(defaults)
+  if unknown:
+    raise ValueError(f"{fn}: unknown options {sorted(unknown)}.")
+  return _run(query, key, value, log_decay, beta, **{**defaults, **options},
+              implementation="reference", choices=("reference",), fn=fn)

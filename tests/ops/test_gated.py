@@ -1,0 +1,150 @@
+"""Gated linear attention and the delta rule against the papers' token recurrences.
+
+The oracle below is the recurrence as the papers (and flash-linear-attention's
+naive reference code) write it, one token at a time in float64 NumPy: decay
+first, then write; a key past its sequence's length is no step at all.
+"""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import linattn_jax as la
+from linattn_jax._src import gated
+
+
+def recurrence(q, k, v, *, log_decay=None, beta=None, initial=None, lengths=None):
+  """``(out [B, T, N, D], S [B, K, H, D])`` in float64; bottom-right aligned."""
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  B, T, N, H = q.shape
+  S, K, D = k.shape[1], k.shape[2], v.shape[-1]
+  q = q * H ** -0.5
+  g = np.zeros((B, S, K)) if log_decay is None else np.asarray(log_decay, np.float64)
+  g = g[..., None] if g.ndim == 3 else g  # [B, S, K, H|1]
+  state = np.zeros((B, K, H, D)) if initial is None else np.array(initial, np.float64)
+  out = np.zeros((B, T, N, D))
+  for b in range(B):
+    for j in range(S):
+      if lengths is None or j < lengths[b]:
+        state[b] *= np.exp(g[b, j])[..., None]
+        write = v[b, j]
+        if beta is not None:
+          write = beta[b, j][:, None] * (v[b, j] - np.einsum("kh,khd->kd", k[b, j], state[b]))
+        state[b] += k[b, j][:, :, None] * write[:, None, :]
+      i = j + T - S
+      if 0 <= i < T:
+        out[b, i] = np.einsum("nh,nhd->nd", q[b, i], np.repeat(state[b], N // K, axis=0))
+    if T > S:  # The first T - S queries see only the initial state.
+      first = np.zeros((B, K, H, D)) if initial is None else np.asarray(initial, np.float64)
+      out[b, :T - S] = np.einsum("tnh,nhd->tnd", q[b, :T - S],
+                                 np.repeat(first[b], N // K, axis=0))
+  return out, state
+
+
+def inputs(*, T=13, S=13, per_feature=False, reset=False, seed=0):
+  rng = np.random.default_rng(seed)
+  B, N, K, H, D = 2, 4, 2, 8, 6
+  q = rng.normal(size=(B, T, N, H)).astype(np.float32)
+  k = rng.normal(size=(B, S, K, H)).astype(np.float32)
+  k /= np.linalg.norm(k, axis=-1, keepdims=True)  # The delta rule's layers normalise keys.
+  v = rng.normal(size=(B, S, K, D)).astype(np.float32)
+  g = np.log(rng.uniform(0.7, 1.0, size=(B, S, K) + ((H,) if per_feature else ())))
+  if reset:
+    g[:, S // 2] = -1e4  # A clean reset: everything before it is forgotten.
+  beta = rng.uniform(0, 1, size=(B, S, K)).astype(np.float32)
+  initial = rng.normal(size=(B, K, H, D)).astype(np.float32)
+  return q, k, v, g.astype(np.float32), beta, initial
+
+
+# Every implementation on the first; the unaligned ones (the driver's alignment, shared by
+# every form) through the default form only.
+CASES = [
+    dict(),
+    dict(T=7, S=13),  # S > T: a prefix every query sees.
+    dict(T=13, S=7),  # T > S: the first queries see only the initial state.
+]
+
+
+def call(delta, implementation, q, k, v, g, beta, **options):
+  options = dict(options, implementation=implementation, chunk_size=4, return_state=True)
+  if delta:
+    return la.delta_rule_attention(q, k, v, beta, log_decay=g, **options)
+  return la.gated_linear_attention(q, k, v, g, **options)
+
+
+@pytest.mark.parametrize("delta, per_feature", [(False, False), (False, True), (True, False)],
+                         ids=["gla-per-head", "gla-per-feature", "delta"])
+def test_every_implementation_equals_the_token_recurrence(delta, per_feature):
+  implementations = gated.DELTA_IMPLEMENTATIONS if delta else gated.GATED_IMPLEMENTATIONS
+  for case in CASES:
+    q, k, v, g, beta, initial = inputs(per_feature=per_feature, **case)
+    lengths = np.array([k.shape[1], k.shape[1] - 3])
+    want, want_state = recurrence(q, k, v, log_decay=g, beta=beta if delta else None,
+                                  initial=initial, lengths=lengths)
+    for implementation in implementations if case == CASES[0] else ("chunked",):
+      out, state = call(delta, implementation, q, k, v, g, beta,
+                        initial_state=la.GatedState(initial), key_value_seq_lengths=lengths)
+      chex.assert_trees_all_close((out, state.kv), (want, want_state), atol=2e-5, rtol=2e-5,
+                                  custom_message=f"{implementation} {case}")
+
+
+@pytest.mark.parametrize("delta, per_feature", [(False, False), (False, True), (True, False)],
+                         ids=["gla-per-head", "gla-per-feature", "delta"])
+def test_a_large_decay_is_a_clean_reset_in_the_chunked_forms(delta, per_feature):
+  """Forward and gradients of a -1e4 decay: no overflow, no cancellation, no NaN."""
+  q, k, v, g, beta, _ = inputs(per_feature=per_feature, reset=True)
+  want, _ = recurrence(q, k, v, log_decay=g, beta=beta if delta else None)
+  loss = lambda implementation, *x: jnp.sum(jnp.sin(call(delta, implementation, *x)[0]))  # noqa: E731
+  grads = {}
+  for implementation in ("scan", "chunked"):
+    out, _ = call(delta, implementation, q, k, v, g, beta)
+    chex.assert_trees_all_close(out, want, atol=2e-5, rtol=2e-5)
+    grads[implementation] = jax.grad(loss, argnums=(1, 2, 3, 4, 5))(implementation, q, k, v, g,
+                                                                       beta)
+    assert all(bool(jnp.all(jnp.isfinite(x))) for x in grads[implementation])
+  chex.assert_trees_all_close(grads["chunked"], grads["scan"], atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("delta", [False, True], ids=["gla", "delta"])
+def test_gradients_of_the_chunked_form_match_the_oracle(delta):
+  q, k, v, g, beta, initial = inputs(seed=1)
+  state = la.GatedState(jnp.asarray(initial))
+
+  def loss(implementation, *x):
+    out, final = call(delta, implementation, *x, initial_state=state)
+    return jnp.sum(jnp.sin(out)) + jnp.sum(jnp.cos(final.kv))
+
+  want = jax.grad(loss, argnums=(1, 2, 3, 4, 5))("reference", q, k, v, g, beta)
+  got = jax.grad(loss, argnums=(1, 2, 3, 4, 5))("chunked", q, k, v, g, beta)
+  chex.assert_trees_all_close(got, want, atol=5e-5, rtol=5e-5)
+
+
+def test_splitting_a_sequence_and_passing_the_state_equals_one_pass():
+  q, k, v, g, beta, _ = inputs()
+  for delta in (False, True):
+    whole, whole_state = call(delta, "chunked", q, k, v, g, beta)
+    first, state = call(delta, "chunked", *(x[:, :5] for x in (q, k, v, g, beta)))
+    rest, final = call(delta, "chunked", *(x[:, 5:] for x in (q, k, v, g, beta)),
+                       initial_state=state)
+    chex.assert_trees_all_close((jnp.concatenate([first, rest], 1), final.kv),
+                                (whole, whole_state.kv), atol=2e-5, rtol=2e-5)
+
+
+def test_bad_inputs_raise_value_errors_naming_them():
+  q, k, v, g, beta, _ = inputs()
+  with pytest.raises(ValueError, match="is_causal=False.*recurrences"):
+    la.gated_linear_attention(q, k, v, g, is_causal=False)
+  with pytest.raises(ValueError, match=r"log_decay must be .*\(2, 13, 2\) or \(2, 13, 2, 8\)"):
+    la.gated_linear_attention(q, k, v, g[:, :5])
+  with pytest.raises(ValueError, match=r"beta must be .*\(2, 13, 2\)"):
+    la.delta_rule_attention(q, k, v, beta[..., None])
+  with pytest.raises(ValueError, match="log_decay must be .*2, 13, 2\\)"):
+    la.delta_rule_attention(q, k, v, beta, log_decay=np.zeros((2, 13, 2, 8), np.float32))
+  with pytest.raises(ValueError, match="implementation"):
+    la.delta_rule_attention(q, k, v, beta, implementation="associative_scan")
+  with pytest.raises(ValueError, match=r"GatedState.kv has shape"):
+    la.gated_linear_attention(q, k, v, g, initial_state=la.GatedState(jnp.zeros((2, 2, 8, 5))))
