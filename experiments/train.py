@@ -11,15 +11,23 @@ resume from the last checkpoint, ending with the same parameters bit for bit
 mesh). ``--workdir`` receives ``config.json``, ``metrics.jsonl`` (one JSON
 object per logged or evaluated step), ``curves.png``, ``summary.json`` and,
 for char_lm, ``sample.txt`` generated through the layers' decode caches.
+
+A checkpoint that cannot be read (files cut short by a full disk, say) is
+moved to ``damaged_checkpoints/`` with a warning and the one before it is
+resumed. The first step whose loss, gradient norm or updated parameters are not
+finite stops the run (``TrainingDivergedError``; exit status 1) before anything
+non-finite is logged or saved, so the checkpoints already written are kept.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging as std_logging
 import math
 import pathlib
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -50,7 +58,7 @@ _NUM_STEPS = flags.DEFINE_integer("num_steps", 1000, "Training steps.")
 _LEARNING_RATE = flags.DEFINE_float("learning_rate", 3e-3, "Peak learning rate.")
 _WARMUP_STEPS = flags.DEFINE_integer("warmup_steps", 50, "Linear warm-up steps.")
 _WEIGHT_DECAY = flags.DEFINE_float("weight_decay", 0.01, "AdamW weight decay.")
-_CLIP_NORM = flags.DEFINE_float("clip_norm", 1.0, "Global gradient-norm clipping.")
+_CLIP_NORM = flags.DEFINE_float("clip_norm", 1.0, "Global gradient-norm clipping (0: none).")
 _NUM_LAYERS = flags.DEFINE_integer("num_layers", 2, "Transformer blocks.")
 _MODEL_DIM = flags.DEFINE_integer("model_dim", 128, "Model width.")
 _NUM_HEADS = flags.DEFINE_integer("num_heads", 4, "Query heads N.")
@@ -167,6 +175,8 @@ def config_from_flags() -> Config:
     raise app.UsageError(f"--num_kv_heads must be positive; got {_NUM_KV_HEADS.value}.")
   if _LEARNING_RATE.value <= 0:
     raise app.UsageError(f"--learning_rate must be positive; got {_LEARNING_RATE.value}.")
+  if _CLIP_NORM.value < 0:
+    raise app.UsageError(f"--clip_norm must be >= 0; got {_CLIP_NORM.value}.")
   if _DTYPE.value not in ("float32", "bfloat16"):
     raise app.UsageError(f"--dtype={_DTYPE.value}: training runs in float32 or bfloat16.")
   devices, split = jax.local_device_count(), _CONTEXT_PARALLEL.value
@@ -233,12 +243,12 @@ def make_model(config: Config, seed: int | None = None) -> Transformer:
 
 
 def make_optimizer(config: Config) -> optax.GradientTransformation:
-  """AdamW with linear warm-up, cosine decay to 10% and global-norm clipping."""
+  """AdamW with linear warm-up, cosine decay to 10% and global-norm clipping (if any)."""
   schedule = optax.warmup_cosine_decay_schedule(
       0.0, config.learning_rate, max(config.warmup_steps, 1),
       max(config.num_steps, config.warmup_steps + 1), end_value=0.1 * config.learning_rate)
-  return optax.chain(optax.clip_by_global_norm(config.clip_norm),
-                     optax.adamw(schedule, weight_decay=config.weight_decay))
+  clip = optax.clip_by_global_norm(config.clip_norm) if config.clip_norm else optax.identity()
+  return optax.chain(clip, optax.adamw(schedule, weight_decay=config.weight_decay))
 
 
 def loss_and_metrics(model: Transformer, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict]:
@@ -257,8 +267,21 @@ def loss_and_metrics(model: Transformer, batch: dict[str, jax.Array]) -> tuple[j
   return loss, {"loss": loss, "accuracy": accuracy}
 
 
+class TrainingDivergedError(RuntimeError):
+  """A training step's loss, gradient norm or updated parameters were not finite."""
+
+  def __init__(self, message: str, step: int):
+    super().__init__(message)
+    self.step = step
+
+
 class Trainer:
-  """The jitted step functions over ``(params, rest, opt_state)`` pytrees."""
+  """The jitted step functions over ``(params, rest, opt_state)`` pytrees.
+
+  ``health`` (on device) holds the first step whose loss, gradient norm or
+  updated parameters were not finite (0: none yet), with that step's loss and
+  gradient norm; ``train_step`` updates it without a host sync.
+  """
 
   def __init__(self, config: Config):
     self.config = config
@@ -271,7 +294,10 @@ class Trainer:
                     2: NamedSharding(mesh, P("data", "context"))}
     self.state = jax.device_put(
         {"params": params, "rest": rest, "opt_state": self.tx.init(params)}, self.replicated)
-    self.train_step = jax.jit(self._train_step, donate_argnums=0)
+    self.health = jax.device_put({"step": jnp.int32(0), "loss": jnp.float32(0),
+                                  "grad_norm": jnp.float32(0), "params_finite": jnp.bool_(True)},
+                                 self.replicated)
+    self.train_step = jax.jit(self._checked_train_step, donate_argnums=0)
     self.eval_step = jax.jit(self._eval_step)
 
   def _train_step(self, state, batch):
@@ -283,6 +309,35 @@ class Trainer:
     params = optax.apply_updates(state["params"], updates)
     metrics["grad_norm"] = optax.tree.norm(grads)
     return {"params": params, "rest": state["rest"], "opt_state": opt_state}, metrics
+
+  def _checked_train_step(self, state, health, batch, step):
+    """``_train_step``, and ``health`` updated for ``step`` (counted from 1)."""
+    state, metrics = self._train_step(state, batch)
+    params_finite = jax.tree.reduce(jnp.logical_and, jax.tree.map(
+        lambda x: jnp.isfinite(x).all(), state["params"]))
+    finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"]) & params_finite
+    now = {"step": jnp.asarray(step, jnp.int32), "loss": metrics["loss"].astype(jnp.float32),
+           "grad_norm": metrics["grad_norm"].astype(jnp.float32), "params_finite": params_finite}
+    first = (health["step"] == 0) & ~finite
+    return state, jax.tree.map(lambda a, b: jnp.where(first, a, b), now, health), metrics
+
+  def check_finite(self, checkpoints: Checkpoints) -> None:
+    """Raises ``TrainingDivergedError`` if a step so far was not finite (one small device read:
+    call it where the loop syncs anyway, and before each save)."""
+    health = jax.device_get(self.health)
+    if not health["step"]:
+      return
+    c, last = self.config, checkpoints.latest()
+    kept = (f"the last finite checkpoint, step {last}, is kept in {checkpoints.directory}"
+            if last else "no checkpoint was written")
+    what = f"loss {health['loss']:.4g}, gradient norm {health['grad_norm']:.4g}"
+    if not health["params_finite"]:
+      what += ", updated parameters not finite"
+    clip = f"{c.clip_norm:g}" if c.clip_norm else "0, no clipping"
+    raise TrainingDivergedError(
+        f"training diverged at step {health['step']} ({what}); {kept}. Lower --learning_rate "
+        f"(now {c.learning_rate:g}) or clip gradients with --clip_norm (now {clip}; e.g. 1), "
+        "and rerun with another --workdir.", int(health["step"]))
 
   def _eval_step(self, state, batch):
     return loss_and_metrics(nnx.merge(self.graphdef, state["params"], state["rest"]), batch)[1]
@@ -326,13 +381,45 @@ def quiet_orbax() -> None:
       lambda record: record.levelno >= std_logging.WARNING or "orbax" not in record.pathname)
 
 
+@contextlib.contextmanager
+def _orbax_silenced():
+  """Drops orbax's log records while loading: a damaged step makes it log errors and
+  tracebacks, where ``Checkpoints.restore_latest`` says in one line which step and why."""
+  logger = std_logging.getLogger("absl")  # orbax logs through absl.
+  drop = lambda record: "orbax" not in record.pathname  # noqa: E731
+  logger.addFilter(drop)
+  try:
+    yield
+  finally:
+    logger.removeFilter(drop)
+
+
+def _short(error: BaseException) -> str:
+  """``Type: message`` of the innermost cause, in one line of at most 300 characters."""
+  while error.__cause__ is not None:
+    error = error.__cause__
+  name = type(error).__name__
+  text = " ".join(str(error).split(" [tensorstore_spec")[0].split())
+  keep = 300 - len(name) - 5
+  if len(text) > keep:  # tensorstore's chained messages end with the cause: keep the end.
+    text = "..." + text[-keep:]
+  return f"{name}: {text}"
+
+
 class Checkpoints:
-  """orbax checkpoints of the flattened state, under ``workdir/checkpoints``."""
+  """orbax checkpoints of the flattened state, under ``workdir/checkpoints``.
+
+  A step that cannot be read is moved to ``workdir/damaged_checkpoints`` (kept
+  for inspection, out of the manager's way).
+  """
 
   def __init__(self, workdir: pathlib.Path):
-    self.manager = ocp.CheckpointManager(
-        (workdir / "checkpoints").absolute(),
-        options=ocp.CheckpointManagerOptions(max_to_keep=2, enable_async_checkpointing=False))
+    self.directory = (workdir / "checkpoints").absolute()
+    self.damaged = (workdir / "damaged_checkpoints").absolute()
+    with _orbax_silenced():  # It reads every step's metadata here.
+      self.manager = ocp.CheckpointManager(
+          self.directory,
+          options=ocp.CheckpointManagerOptions(max_to_keep=2, enable_async_checkpointing=False))
 
   @staticmethod
   def _flat(state) -> dict[str, Any]:
@@ -350,6 +437,39 @@ class Checkpoints:
     target = jax.tree.map(ocp.utils.to_shape_dtype_struct, self._flat(like))
     flat = self.manager.restore(step, args=ocp.args.StandardRestore(target))
     return jax.tree.unflatten(jax.tree.structure(like), [flat[str(i)] for i in range(len(flat))])
+
+  def restore_latest(self, like) -> tuple[int, Any]:
+    """``(step, state)`` of the newest readable checkpoint; ``(0, like)`` if there is none.
+
+    Each unreadable step (a file cut short by a full disk or a bad copy, say)
+    is logged in one warning line and moved aside, and the step before it is
+    tried.
+    """
+    steps = sorted(self.manager.all_steps(), reverse=True)
+    for step in steps:
+      try:
+        with _orbax_silenced():
+          return step, self.restore(step, like)
+      except Exception as e:  # orbax and tensorstore raise many types on bad files.
+        if isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in str(e):
+          raise  # Out of memory: the checkpoint may be fine.
+        moved = self._move_aside(step)
+        logging.warning("checkpoint %s is unreadable (%s); moved it to %s.",
+                        self.directory / str(step), _short(e), moved)
+    if steps:  # All of them were unreadable.
+      logging.warning("no readable checkpoint in %s: training from step 0.", self.directory)
+    return 0, like
+
+  def _move_aside(self, step: int) -> pathlib.Path:
+    """Renames step ``step``'s directory into ``damaged_checkpoints/`` (never deletes it)."""
+    self.damaged.mkdir(exist_ok=True)
+    target, n = self.damaged / str(step), 1
+    while target.exists():  # Damaged again after an earlier move: keep both.
+      target, n = self.damaged / f"{step}.{n}", n + 1
+    (self.directory / str(step)).rename(target)
+    with _orbax_silenced():
+      self.manager.reload()
+    return target
 
 
 def load_final_params(workdir: str) -> Any:
@@ -429,9 +549,8 @@ def train(config: Config) -> dict[str, Any]:
   workdir = prepare_workdir(config)
   trainer = Trainer(config)
   checkpoints = Checkpoints(workdir)
-  start = checkpoints.latest() or 0
+  start, trainer.state = checkpoints.restore_latest(trainer.state)
   if start:
-    trainer.state = checkpoints.restore(start, trainer.state)
     print(f"resumed from the checkpoint at step {start}", flush=True)
   metrics_path = workdir / "metrics.jsonl"
   records = _read_metrics(metrics_path, start)
@@ -446,8 +565,12 @@ def train(config: Config) -> dict[str, Any]:
   for step in range(start, config.num_steps):
     if config.redraw_every and step % config.redraw_every == 0 and step > 0:
       trainer.redraw(step)
-    trainer.state, metrics = trainer.train_step(trainer.state, trainer.batch(step, data.TRAIN))
+    trainer.state, trainer.health, metrics = trainer.train_step(
+        trainer.state, trainer.health, trainer.batch(step, data.TRAIN), step + 1)
     done = step + 1
+    if done == config.num_steps or any(done % every == 0 for every in (
+        config.log_every, config.eval_every, config.checkpoint_every)):
+      trainer.check_finite(checkpoints)  # Nothing non-finite is logged, evaluated or saved.
     record = None
     if done % config.log_every == 0 or done == config.num_steps:
       metrics = {k: float(v) for k, v in metrics.items()}
@@ -504,11 +627,27 @@ def finish(config: Config, workdir: pathlib.Path, trainer: Trainer,
   return summary
 
 
+def _drop_closed_loop_errors(hook):
+  """``hook``, but silent on "Event loop is closed": after a restore fails on a damaged
+  file, tensorstore's other reads finish into orbax's closed event loop."""
+
+  def quiet(unraisable):
+    if not (isinstance(unraisable.exc_value, RuntimeError)
+            and str(unraisable.exc_value) == "Event loop is closed"):
+      hook(unraisable)
+
+  return quiet
+
+
 def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   quiet_orbax()
-  train(config_from_flags())
+  sys.unraisablehook = _drop_closed_loop_errors(sys.unraisablehook)
+  try:
+    train(config_from_flags())
+  except TrainingDivergedError as e:
+    raise SystemExit(str(e)) from None  # One line on stderr; exit status 1.
 
 
 if __name__ == "__main__":

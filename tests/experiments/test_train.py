@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -92,6 +94,13 @@ def _run(*flags_, env=None, wait=True):
                           stderr=subprocess.DEVNULL)
 
 
+def _assert_same_final_params(workdir: pathlib.Path, other: pathlib.Path) -> None:
+  # Bit for bit on CPU; GPU reductions need not be deterministic run to run.
+  same = np.testing.assert_array_equal if jax.default_backend() == "cpu" else functools.partial(
+      np.testing.assert_allclose, rtol=1e-5, atol=1e-7)
+  jax.tree.map(same, train.load_final_params(str(workdir)), train.load_final_params(str(other)))
+
+
 def test_a_killed_run_resumes_to_the_same_parameters(tmp_path):
   flags_ = TINY_FLAGS + ["--num_steps=40", "--checkpoint_every=5", "--log_every=5",
                          "--eval_every=40", "--sample_length=0"]
@@ -109,13 +118,56 @@ def test_a_killed_run_resumes_to_the_same_parameters(tmp_path):
   resumed = _run(*flags_, f"--workdir={killed}")
   assert resumed.returncode == 0, resumed.stderr[-2000:]
   assert "resumed from the checkpoint at step" in resumed.stdout
-  # Bit for bit on CPU; GPU reductions need not be deterministic run to run.
-  same = np.testing.assert_array_equal if jax.default_backend() == "cpu" else functools.partial(
-      np.testing.assert_allclose, rtol=1e-5, atol=1e-7)
-  jax.tree.map(same, train.load_final_params(str(killed)),
-               train.load_final_params(str(tmp_path / "whole")))
+  _assert_same_final_params(killed, tmp_path / "whole")
   steps = [json.loads(line)["step"] for line in (killed / "metrics.jsonl").read_text().splitlines()]
   assert steps == sorted(set(steps))  # No step logged twice across the kill.
+
+
+def _truncate_every_file(directory: pathlib.Path) -> dict[pathlib.Path, int]:
+  """Cuts each file under ``directory`` to half its size, as a full disk or a bad copy
+  leaves them; returns the new sizes."""
+  sizes = {}
+  for path in sorted(directory.rglob("*")):
+    if path.is_file():
+      sizes[path.relative_to(directory)] = path.stat().st_size // 2
+      os.truncate(path, sizes[path.relative_to(directory)])
+  return sizes
+
+
+def test_a_damaged_checkpoint_is_moved_aside_and_an_older_one_resumed(tmp_path, caplog):
+  config = functools.partial(_config, num_steps=4, checkpoint_every=2, log_every=4,
+                             eval_every=4, sample_length=0)
+  whole, damaged = tmp_path / "whole", tmp_path / "damaged"
+  train.train(config(whole))  # Checkpoints at steps 2 and 4.
+  shutil.copytree(whole, damaged)  # A run that got as far, whose step 4 is then damaged.
+  sizes = _truncate_every_file(damaged / "checkpoints" / "4")
+  with caplog.at_level(logging.WARNING):
+    train.train(config(damaged))
+  warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+  assert len(warnings) == 1, warnings  # One line; orbax's errors and tracebacks are dropped.
+  assert f"checkpoint {damaged / 'checkpoints' / '4'} is unreadable (JSONDecodeError: " in (
+      warnings[0])
+  assert f"moved it to {damaged / 'damaged_checkpoints' / '4'}" in warnings[0]
+  aside = damaged / "damaged_checkpoints" / "4"  # Kept as it was, out of orbax's way.
+  assert {p.relative_to(aside): p.stat().st_size for p in aside.rglob("*") if p.is_file()} == sizes
+  assert sorted(os.listdir(damaged / "checkpoints")) == ["2", "4"]  # 4 written again.
+  _assert_same_final_params(damaged, whole)
+
+
+def test_a_diverging_run_stops_without_saving_non_finite_parameters(tmp_path):
+  config = _config(tmp_path, num_steps=4, learning_rate=1e6, clip_norm=0.0, checkpoint_every=2,
+                   log_every=4, eval_every=4, sample_length=0)
+  with pytest.raises(train.TrainingDivergedError, match=r"diverged at step 3 \(loss nan.*"
+                     r"checkpoint, step 2, is kept.*--learning_rate .*--clip_norm "):
+    train.train(config)
+  # Step 3 made the parameters NaN; the loop saw it at step 4 and saved nothing there.
+  checkpoints = train.Checkpoints(tmp_path)
+  assert checkpoints.manager.all_steps() == [2]
+  like = train.Trainer(config).state
+  for step in checkpoints.manager.all_steps():
+    params = checkpoints.restore(step, like)["params"]
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(params))
+  assert not (tmp_path / "summary.json").exists()
 
 
 def test_four_devices_give_the_losses_of_one(tmp_path):
