@@ -23,9 +23,26 @@ from linattn_jax._src.registry import AttentionSpec, register_attention
 SoftmaxImplementation = Literal["reference", "xla", "flash"]
 IMPLEMENTATIONS: tuple[str, ...] = typing.get_args(SoftmaxImplementation)
 
-# `implementation=None` switches to flash once a materialised [B, N, T, S]
-# float32 score array would exceed this many elements (2 GiB).
+# `implementation=None` runs flash where it was measured faster than XLA's path:
+# from T·S scores per head given here per backend. CPU: flash / XLA time in two runs
+# of `python -m experiments.benchmark --variants=flash --lengths=256,512,1024,2048
+# --nomatmul_baseline` (B = 1, N = 8, H = 64, causal): at T = 512 1.10 / 0.64
+# forward, 1.02 / 0.54 backward (no consistent winner); from T = 1024 below 0.8 in
+# both. Backends not listed (GPU, TPU: not measured) keep XLA's fused path until the
+# [B, N, T, S] float32 scores would pass FLASH_THRESHOLD_ELEMENTS (2 GiB), where
+# flash's O(T) memory decides.
+FLASH_MIN_SCORES: dict[str, int] = {"cpu": 1024 * 1024}
 FLASH_THRESHOLD_ELEMENTS = 2**29
+
+
+def prefers_flash(B: int, N: int, T: int, S: int, backend: str | None = None) -> bool:
+  """Whether ``implementation=None`` picks flash for these sizes on ``backend``.
+
+  ``backend``: ``"cpu"``, ``"gpu"``, ``"tpu"``; None is ``jax.default_backend()``.
+  """
+  backend = backend or jax.default_backend()
+  fastest = FLASH_MIN_SCORES.get(backend)
+  return (fastest is not None and T * S >= fastest) or B * N * T * S > FLASH_THRESHOLD_ELEMENTS
 
 
 @checks.compiled("is_causal", "scale", "implementation", "local_window_size", "return_residual",
@@ -79,8 +96,9 @@ def softmax_attention(
       ``[B, N, T, S]`` scores fit in memory), ``"flash"`` (blockwise, O(T)
       memory; no ``bias``, ``mask``, window, residual or top-left alignment,
       see :func:`flash_attention`), or None: a window as above, else
-      ``"flash"`` when nothing rules it out and the scores would exceed
-      ``FLASH_THRESHOLD_ELEMENTS`` elements, else ``"xla"``.
+      ``"flash"`` when nothing rules it out and :func:`prefers_flash` (it
+      was measured faster on this backend, or the scores would not fit),
+      else ``"xla"``.
     return_residual: also return the log-sum-exp of each row's scores,
       ``lse[b, t, n] = log Σ_s exp(scores)`` over the visible keys, as
       jax.nn defines it (``-inf`` for a row with no visible key), without a
@@ -148,8 +166,8 @@ def softmax_attention(
           key_value_seq_lengths=a.key_value_seq_lengths))
     implementation = "xla"
   if implementation is None:
-    big = B * N * T * S > FLASH_THRESHOLD_ELEMENTS
-    implementation = "flash" if big and not general and aligned else "xla"
+    faster = prefers_flash(B, N, T, S)
+    implementation = "flash" if faster and not general and aligned else "xla"
   if implementation == "flash":
     checks.reject_unsupported(
         "flash", fn=fn, bias=a.bias, mask=a.mask, local_window_size=a.window,

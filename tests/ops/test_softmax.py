@@ -180,6 +180,16 @@ def test_default_implementation_switches_to_flash_for_long_inputs():
   jax.clear_caches()
 
 
+def test_default_switches_to_flash_where_measured_faster():
+  cpu_from = softmax_module.FLASH_MIN_SCORES["cpu"]
+  side = int(cpu_from ** 0.5)
+  assert softmax_module.prefers_flash(1, 1, side, side, backend="cpu")
+  assert not softmax_module.prefers_flash(1, 1, side, side - 1, backend="cpu")
+  # Unmeasured backends keep XLA's path until the scores would not fit.
+  assert not softmax_module.prefers_flash(1, 8, 8192, 8192, backend="gpu")
+  assert softmax_module.prefers_flash(1, 8, 2**14, 2**14, backend="tpu")
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_flash_never_forms_a_t_by_s_array(causal):
   shape = Shape(B=1, T=256, S=256, N=2, K=1, H=8, D=8)
