@@ -425,6 +425,123 @@ def delta_rule_attention(
               choices=DELTA_IMPLEMENTATIONS, fn="delta_rule_attention")
 
 
+# Decoding --------------------------------------------------------------------------------
+
+
+def init_gated_state(batch: int, num_kv_heads: int, head_dim: int, value_dim: int,
+                     dtype: Any = jnp.float32) -> GatedState:
+  """The empty :class:`GatedState`: zeros ``kv [B, K, H, D]``.
+
+  Args:
+    batch: B.
+    num_kv_heads: K.
+    head_dim: H.
+    value_dim: D.
+    dtype: the state's dtype (float32 for float32, bfloat16 and float16 inputs).
+
+  Returns:
+    A :class:`GatedState` of zeros.
+
+  Raises:
+    ValueError: if a size is not a positive int.
+
+  Examples:
+    >>> la.init_gated_state(batch=2, num_kv_heads=1, head_dim=4, value_dim=3).kv.shape
+    (2, 1, 4, 3)
+  """
+  sizes = checks.positive_sizes(batch=batch, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                value_dim=value_dim, fn="init_gated_state")
+  return GatedState(jnp.zeros(sizes, dtype))
+
+
+def _one_token(fn, state, query, key, value, gates, **options):
+  """A causal pass of one token: ``[B, N, H]``, ``[B, K, H]``, ``[B, K, D]`` and gates
+  ``[B, K(, H)]`` (no B unbatched) -> ``(state, out [B, N, D])``, the state in its dtype."""
+  arrays = tuple(jnp.asarray(x) for x in (query, key, value))
+  if len({x.ndim for x in arrays}) != 1 or arrays[0].ndim not in (2, 3):
+    raise ValueError(
+        f"{fn.__name__}_step: query [B, N, H], key [B, K, H] and value [B, K, D] must have the "
+        f"same rank, 3 (or 2 unbatched); got {', '.join(str(x.shape) for x in arrays)}.")
+  at = arrays[0].ndim - 2  # The position axis: after B (if any).
+  gates = {name: None if x is None else jnp.expand_dims(jnp.asarray(x), at)
+           for name, x in gates.items()}
+  out, new = fn(*(jnp.expand_dims(x, at) for x in arrays), **gates, initial_state=state,
+                return_state=True, implementation="scan", **options)
+  return GatedState(new.kv.astype(jnp.result_type(state.kv))), jnp.squeeze(out, at)
+
+
+def gated_linear_attention_step(state: GatedState, query: ArrayLike, key: ArrayLike,
+                                value: ArrayLike, log_decay: ArrayLike, *,
+                                scale: float | None = None) -> tuple[GatedState, jax.Array]:
+  """One decoding step of :func:`gated_linear_attention`: ``S <- diag(exp(g)) S + k vᵀ``.
+
+  Args:
+    state: the :class:`GatedState` so far (``kv [B, K, H, D]``).
+    query: ``[B, N, H]`` (no B when unbatched, like the state).
+    key: ``[B, K, H]``.
+    value: ``[B, K, D]``.
+    log_decay: ``[B, K]`` or ``[B, K, H]``, ≤ 0.
+    scale: multiplies the query; default ``1 / sqrt(H)``.
+
+  Returns:
+    ``(state, out [B, N, D])``, the state in the dtype it came in.
+
+  Raises:
+    ValueError: on ranks or shapes that do not match each other or the state.
+
+  Examples:
+    >>> state = la.init_gated_state(batch=1, num_kv_heads=2, head_dim=4, value_dim=4)
+    >>> x = jnp.ones((1, 2, 4))  # [B, N=K, H=D]
+    >>> state, out = la.gated_linear_attention_step(state, x, x, x, jnp.full((1, 2), -0.1))
+    >>> out.shape
+    (1, 2, 4)
+
+  References:
+    Yang et al., "Gated Linear Attention Transformers with Hardware-Efficient
+    Training", 2024.
+  """
+  return _one_token(gated_linear_attention, state, query, key, value,
+                    {"log_decay": log_decay}, scale=scale)
+
+
+def delta_rule_attention_step(state: GatedState, query: ArrayLike, key: ArrayLike,
+                              value: ArrayLike, beta: ArrayLike, *,
+                              log_decay: ArrayLike | None = None,
+                              scale: float | None = None) -> tuple[GatedState, jax.Array]:
+  """One decoding step of :func:`delta_rule_attention`.
+
+  ``S' = exp(g) S``, ``u = β (v - S'ᵀ k)``, ``S <- S' + k uᵀ``, ``o = scale · qᵀ S``.
+
+  Args:
+    state: the :class:`GatedState` so far (``kv [B, K, H, D]``).
+    query: ``[B, N, H]`` (no B when unbatched, like the state).
+    key: ``[B, K, H]``.
+    value: ``[B, K, D]``.
+    beta: ``[B, K]`` in [0, 1].
+    log_decay: optional ``[B, K]``, ≤ 0.
+    scale: multiplies the query; default ``1 / sqrt(H)``.
+
+  Returns:
+    ``(state, out [B, N, D])``, the state in the dtype it came in.
+
+  Raises:
+    ValueError: on ranks or shapes that do not match each other or the state.
+
+  Examples:
+    >>> state = la.init_gated_state(batch=1, num_kv_heads=2, head_dim=4, value_dim=4)
+    >>> x = jnp.ones((1, 2, 4)) / 2  # [B, N=K, H=D]; a unit key
+    >>> state, out = la.delta_rule_attention_step(state, x, x, x, jnp.ones((1, 2)))
+    >>> bool(jnp.allclose(state.kv[0, 0].T @ x[0, 0], x[0, 0]))  # β = 1 stores v at k
+    True
+
+  References:
+    Yang et al., "Parallelizing Linear Transformers with the Delta Rule over
+    Sequence Length", 2024.
+  """
+  return _one_token(delta_rule_attention, state, query, key, value,
+                    {"beta": beta, "log_decay": log_decay}, scale=scale)
+
+
 # Oracles ---------------------------------------------------------------------------------
 
 

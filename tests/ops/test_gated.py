@@ -148,3 +148,22 @@ def test_bad_inputs_raise_value_errors_naming_them():
     la.delta_rule_attention(q, k, v, beta, implementation="associative_scan")
   with pytest.raises(ValueError, match=r"GatedState.kv has shape"):
     la.gated_linear_attention(q, k, v, g, initial_state=la.GatedState(jnp.zeros((2, 2, 8, 5))))
+
+
+def test_decoding_step_by_step_equals_one_causal_pass():
+  q, k, v, g, beta, initial = inputs(T=6, S=6)
+  for delta in (False, True):
+    want, want_state = call(delta, "chunked", q, k, v, g, beta,
+                            initial_state=la.GatedState(initial))
+    state, outs = la.GatedState(jnp.asarray(initial)), []
+    for t in range(6):
+      if delta:
+        state, out = la.delta_rule_attention_step(state, q[:, t], k[:, t], v[:, t], beta[:, t],
+                                                  log_decay=g[:, t])
+      else:
+        state, out = la.gated_linear_attention_step(state, q[:, t], k[:, t], v[:, t], g[:, t])
+      outs.append(out)
+    chex.assert_trees_all_close((jnp.stack(outs, 1), state.kv), (want, want_state.kv),
+                                atol=2e-5, rtol=2e-5)
+  empty = la.init_gated_state(batch=2, num_kv_heads=2, head_dim=8, value_dim=6)
+  chex.assert_trees_all_equal(empty.kv, jnp.zeros((2, 2, 8, 6)))
