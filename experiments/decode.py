@@ -2,8 +2,12 @@
 
 For each variant and position P the layer's cache is brought to position P
 and ``--steps`` single-token decode steps run in one ``lax.scan`` under
-``jax.jit``: the median over ``--repeats`` calls, per token, with the
-positions timed in alternation. Recurrent and
+``jax.jit`` with the cache donated (as a decode loop would run it): the
+median over ``--repeats`` calls, per token, with the positions timed in
+alternation. Next to each step, in the same rounds, a jitted sum over the
+cache's arrays times one read of its bytes (``cache_read_s``), the memory
+floor of a step that reads the whole cache; ``step_over_read`` is their
+ratio. Recurrent and
 ring-buffer caches are reached by a real prefill of P tokens. A KV cache is
 allocated with capacity P + steps and filled with random keys and values
 directly: a step's cost depends on the capacity it reads, not on the values,
@@ -30,14 +34,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from absl import app, flags
 from flax import nnx
 
 from experiments import common
 from linattn_jax import nn
 
-# --attentions: the variants to decode with (block_sparse and bigbird need
-# --options_by_attention); --options_by_attention overrides DEFAULT_OPTIONS.
+# --attentions: the variants to decode with; --options_by_attention overrides DEFAULT_OPTIONS.
 DEFAULT_ATTENTIONS = ("softmax", "flash", "local", "longformer", "linear_elu", "linear_relu",
                       "linear_learned", "performer", "random_fourier", "efficient", "heinsen")
 _POSITIONS = flags.DEFINE_list("positions", ["1024", "65536"], "Positions P to decode at.")
@@ -47,10 +51,19 @@ _STEPS = flags.DEFINE_integer("steps", 16, "Decode steps per timed call (one lax
 _REPEATS = common.REPEATS
 flags.adopt_module_key_flags(common)
 
+
+def recent_blocks(num_q_blocks: int, num_k_blocks: int) -> np.ndarray:
+  """A block-sparse layout for any length: each block, the two before it and the first."""
+  a = np.arange(num_q_blocks)[:, None] + (num_k_blocks - num_q_blocks)
+  b = np.arange(num_k_blocks)[None, :]
+  return ((b <= a) & (b >= a - 2)) | (b == 0)
+
+
 DEFAULT_OPTIONS: dict[str, dict[str, Any]] = {
     "local": {"window_size": [256, 0]},
     "longformer": {"window_size": [256, 0], "global_positions": [0]},
     "strided": {"stride": 128, "window_size": [128, 0]},
+    "block_sparse": {"layout": recent_blocks, "block_size": 64},
     "bigbird": {"block_size": 64},
 }
 
@@ -76,35 +89,56 @@ def bring_to(layer: nn.MultiHeadAttention, position: int, steps: int, batch: int
   nnx.jit(lambda m, x: m(x, is_causal=True, decode=True))(layer, prompt)
 
 
-def step_runner(layer: nn.MultiHeadAttention, steps: int, batch: int):
-  """A zero-argument call decoding ``steps`` tokens from ``layer``'s cache (compiled, warm)."""
-  graphdef, state = nnx.split(layer)
-  tokens = jax.random.normal(jax.random.key(4), (steps, batch, 1, layer.in_features))
+class Runner:
+  """Compiled, warm zero-argument calls on ``layer``'s cache: ``step`` decodes ``steps``
+  tokens (one ``lax.scan``), ``read`` reads every array of the cache once.
 
-  @jax.jit
-  def run(state, tokens):
-    def body(state, token):
-      model = nnx.merge(graphdef, state)
-      out = model(token, is_causal=True, decode=True)
-      return nnx.state(model), out
+  ``step`` donates the cache and gets it back with its position as it was (the
+  integer leaves), so every call decodes the same positions and a step's time
+  holds no copy of the cache that a decode loop under ``jit`` with donation
+  would not make. ``read`` is a jitted sum over the cache's arrays: the time
+  of one read of its bytes, the memory floor of a step that reads them all.
+  """
 
-    return jax.lax.scan(body, state, tokens)
+  def __init__(self, layer: nn.MultiHeadAttention, steps: int, batch: int):
+    graphdef, cache, rest = nnx.split(layer, nnx.Cache, ...)
+    tokens = jax.random.normal(jax.random.key(4), (steps, batch, 1, layer.in_features))
 
-  call = lambda: jax.block_until_ready(run(state, tokens))  # noqa: E731
-  call()  # Compile and warm up.
-  return call
+    def run(cache, rest, tokens):
+      def body(cache, token):
+        model = nnx.merge(graphdef, cache, rest)
+        out = model(token, is_causal=True, decode=True)
+        return nnx.state(model, nnx.Cache), out
+
+      new, outs = jax.lax.scan(body, cache, tokens)
+      same_position = lambda n, o: o if jnp.issubdtype(o.dtype, jnp.integer) else n  # noqa: E731
+      return jax.tree.map(same_position, new, cache), outs
+
+    self._run = jax.jit(run, donate_argnums=0)
+    self._sum = jax.jit(lambda cache: sum(jnp.sum(x, dtype=jnp.float32)
+                                          for x in jax.tree.leaves(cache)))
+    self._cache, self._rest, self._tokens = cache, rest, tokens
+    self.step()  # Compile and warm up.
+    self.read()
+
+  def step(self) -> None:
+    self._cache, outs = self._run(self._cache, self._rest, self._tokens)
+    jax.block_until_ready((self._cache, outs))
+
+  def read(self) -> None:
+    jax.block_until_ready(self._sum(self._cache))
 
 
-def time_interleaved(calls: dict[int, Any], repeats: int, steps: int) -> dict[int, float]:
-  """Median seconds per token of each call, timed in alternation (round by round), so
-  that the load of a shared machine falls on every position alike."""
-  times: dict[int, list[float]] = {p: [] for p in calls}
+def time_interleaved(calls: dict[Any, Any], repeats: int) -> dict[Any, float]:
+  """Median seconds of each call, timed in alternation (round by round), so that the
+  load of a shared machine falls on every call alike."""
+  times: dict[Any, list[float]] = {key: [] for key in calls}
   for _ in range(repeats):
-    for position, call in calls.items():
+    for key, call in calls.items():
       start = time.perf_counter()
       call()
-      times[position].append(time.perf_counter() - start)
-  return {p: statistics.median(t) / steps for p, t in times.items()}
+      times[key].append(time.perf_counter() - start)
+  return {key: statistics.median(t) for key, t in times.items()}
 
 
 def cache_bytes(layer: nn.MultiHeadAttention) -> int:
@@ -119,24 +153,30 @@ def run(attentions: Sequence[str], positions: Sequence[int],
     calls = {}
     for position in positions:
       layer = make_layer(name, options)
-      record = {"attention": name, "options": options, "position": position,
-                "cache_kind": nn.cache_kind(name)}
+      shown = {k: getattr(v, "__name__", v) for k, v in options.items()}  # JSON: a layout by name.
+      record = {"attention": name, "options": shown, "position": position,
+                "cache_kind": nn.cache_kind(name).value}
       try:
         bring_to(layer, position, _STEPS.value, _BATCH.value)
         record["cache_bytes"] = cache_bytes(layer)
-        calls[position] = step_runner(layer, _STEPS.value, _BATCH.value)
+        runner = Runner(layer, _STEPS.value, _BATCH.value)
+        calls[position, "step"], calls[position, "read"] = runner.step, runner.read
         record["status"] = "ok"
       except ValueError as e:  # E.g. a sparse pattern past MAX_PATTERN_CAPACITY: reported.
         record["status"] = f"not run: {e}"
       records.append(record)
-    per_token = time_interleaved(calls, _REPEATS.value, _STEPS.value)
+    seconds = time_interleaved(calls, _REPEATS.value)
     for record in records[-len(positions):]:
-      if record["position"] in per_token:
-        record["step_s"] = per_token[record["position"]]
+      if (record["position"], "step") in seconds:
+        record["step_s"] = seconds[record["position"], "step"] / _STEPS.value
+        record["cache_read_s"] = seconds[record["position"], "read"]
+        record["step_over_read"] = record["step_s"] / record["cache_read_s"]
       print(f"{name:>15} P={record['position']:>6} {record['cache_kind']:>9} "
             f"cache={record.get('cache_bytes', float('nan')) / 2**10:>10.1f} KiB "
-            f"step={record.get('step_s', float('nan')) * 1e6:>9.1f} us  {record['status'][:60]}",
-            flush=True)
+            f"step={record.get('step_s', float('nan')) * 1e6:>9.1f} us "
+            f"read={record.get('cache_read_s', float('nan')) * 1e6:>9.1f} us "
+            f"step/read={record.get('step_over_read', float('nan')):>6.2f}  "
+            f"{record['status'][:60]}", flush=True)
   for name in attentions:
     ok = [r for r in records if r["attention"] == name and r["status"] == "ok"]
     if len(ok) > 1:

@@ -12,6 +12,13 @@ An element-level mask (the exact pattern inside the gathered blocks, the
 causal rule, padding slots, key lengths) is applied before the softmax, which
 is the single-block case of the online softmax: rows that see nothing return
 zeros. Gradients come from autodiff: what is saved is again ``O(T·L)``.
+
+Decoding reads rows whose positions are known only when the program runs (a
+cache's index plus t): :class:`RowKeys` says which L keys a row at position
+i visits (a window before it, static columns, the key blocks its block row
+lists), :func:`row_keys` gives them for the rows at hand (:func:`row_allows` the
+pattern on keys not gathered, a decoded chunk's own), so a step's cost
+follows the pattern, not the cache's length.
 """
 
 from __future__ import annotations
@@ -53,6 +60,91 @@ def dedupe(keys: np.ndarray, valid: np.ndarray, S: int) -> np.ndarray:
   first = np.empty_like(valid)
   np.put_along_axis(first, order, ~repeat, axis=-1)
   return valid & first
+
+
+def block_table(layout: np.ndarray) -> np.ndarray:
+  """The key blocks each block row of ``layout [P, R, nkb]`` lists: ``[P, R, M]`` block ids in
+  ascending order, -1 past a row's count; M is the longest row's (at least 1)."""
+  P, R, _ = layout.shape
+  counts = layout.sum(-1)
+  table = np.full((P, R, max(1, int(counts.max(initial=0)))), -1, np.int64)
+  for p in range(P):
+    for r in range(R):
+      blocks = np.flatnonzero(layout[p, r])
+      table[p, r, :blocks.size] = blocks
+  return table
+
+
+class RowKeys(NamedTuple):
+  """The keys a query row at a traced position i visits, among S keys (decoding).
+
+  A superset of the row's pattern, gathered and then masked: the keys
+  ``i - window .. i``, the static ``columns`` (those inside the window are not
+  gathered twice), and the key blocks that ``blocks`` lists for block row
+  ``i // block_size``. ``rule`` is the exact pattern among them; its keys for
+  row i must lie among the gathered ones. Positions are those of one
+  sequence (query i is key i); only keys ``<= i`` are kept (causal).
+  """
+
+  window: int | None = None  # Keys i - window .. i (window + 1 of them); None: no window.
+  columns: np.ndarray = np.zeros(0, np.int64)  # [L_c] sorted unique static key positions.
+  blocks: np.ndarray | None = None  # [P, R, M] key blocks of block row r (-1: none).
+  block_size: int = 1  # Of ``blocks``, on both axes.
+  rule: Callable[[jax.Array, jax.Array], jax.Array] | None = None  # (q_pos, k_pos) -> bool.
+
+
+def row_keys(rows: RowKeys, i: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Key positions ``[P, T, L]`` the rows at positions ``i [T]`` gather, and which count.
+
+  The second array ``[P, T, L]`` is True for a key of the row's pattern
+  (``rows.rule``), at or before the row (``0 <= j <= i``), gathered once.
+  The positions of the others are clipped into ``[0, i]``, so that they can
+  be gathered.
+  """
+  T = i.shape[0]
+  q = i[:, None]  # [T, 1]
+  parts = []  # ([P|1, T, L_part] positions, [P|1, T, L_part] first time gathered)
+  if rows.window is not None:
+    pos = q - rows.window + jnp.arange(rows.window + 1, dtype=i.dtype)[None, :]
+    parts.append((pos[None], jnp.ones((1,) + pos.shape, bool)))
+  if rows.columns.size:
+    pos = jnp.broadcast_to(jnp.asarray(rows.columns, i.dtype)[None, :], (T, rows.columns.size))
+    again = False if rows.window is None else (pos >= q - rows.window) & (pos <= q)
+    parts.append((pos[None], jnp.broadcast_to(~jnp.asarray(again), pos.shape)[None]))
+  if rows.blocks is not None:
+    bs = rows.block_size
+    listed = jnp.asarray(rows.blocks, i.dtype)[:, i // bs]  # [P, T, M]
+    pos = listed[..., None] * bs + jnp.arange(bs, dtype=i.dtype)[None, None, None, :]
+    listed_ok = jnp.broadcast_to((listed >= 0)[..., None], pos.shape)
+    parts.append((pos.reshape(pos.shape[:2] + (-1,)), listed_ok.reshape(pos.shape[:2] + (-1,))))
+  P = max(p.shape[0] for p, _ in parts)
+  pos = jnp.concatenate([jnp.broadcast_to(p, (P,) + p.shape[1:]) for p, _ in parts], -1)
+  ok = jnp.concatenate([jnp.broadcast_to(f, (P,) + f.shape[1:]) for _, f in parts], -1)
+  ok = ok & (pos >= 0) & (pos <= q[None])
+  if rows.rule is not None:
+    ok = ok & rows.rule(q[None], pos)
+  return jnp.clip(pos, 0, q[None]), ok
+
+
+def row_allows(rows: RowKeys, i: jax.Array, j: jax.Array) -> jax.Array:
+  """``[P, T, J]``: whether row ``i [T]``'s pattern holds key ``j [J]`` (and ``j <= i``).
+
+  For keys not gathered by :func:`row_keys` (e.g. a decoded chunk's own):
+  ``rows.rule`` when given, else membership of the window, columns and blocks.
+  """
+  q, k = i[:, None], j[None, :]  # [T, 1], [1, J]
+  causal = (k <= q)[None]
+  if rows.rule is not None:
+    return causal & rows.rule(q, k)[None]
+  hit = jnp.zeros((1,) + causal.shape[1:], bool)
+  if rows.window is not None:
+    hit = hit | ((k >= q - rows.window) & (k <= q))[None]
+  if rows.columns.size:
+    hit = hit | (k[..., None] == jnp.asarray(rows.columns, j.dtype)[None, None, :]).any(-1)[None]
+  if rows.blocks is not None:
+    listed = jnp.asarray(rows.blocks, i.dtype)[:, i // rows.block_size]  # [P, T, M]
+    hit = hit | (listed[:, :, None, :] == (k // rows.block_size)[None, :, :, None]).any(-1)
+  return causal & hit
 
 
 def tile_rows(T: int, Q: int) -> np.ndarray:

@@ -39,7 +39,7 @@ from flax.nnx.nn import initializers
 from flax.typing import DotGeneralT, Dtype, Initializer, PrecisionLike, PromoteDtypeFn, Shape
 from jax import lax
 
-from linattn_jax._src import checks, dense
+from linattn_jax._src import checks, dense, gather, sparse
 from linattn_jax._src.online_softmax import merge, online_softmax_finish, softmax_block
 from linattn_jax._src.parallel import ContextParallel
 from linattn_jax._src.registry import AttentionSpec, CacheKind, accepted, get_spec
@@ -50,8 +50,9 @@ default_bias_init = initializers.zeros_init()
 # Options the layer owns: it passes them itself (state, call arguments); so too a
 # variant's own arrays and the seed `rng` they would otherwise be drawn from.
 _LAYER_OWNED = ("initial_state", "return_state", "is_causal", "key_value_seq_lengths")
-# Sparse patterns decode through their dense [C, C] pattern on a sequence of the
-# cache's capacity C (a compile-time constant of C² bytes): capped here.
+# A sparse pattern without decoding rows (sparse.decode_rows: the built-in ones have them)
+# decodes through its dense [C, C] pattern on a sequence of the cache's capacity C (a
+# compile-time constant of C² bytes): capped here.
 MAX_PATTERN_CAPACITY = 8192
 
 
@@ -738,9 +739,12 @@ def _kv_decode(spec: AttentionSpec, cache: KVCache, q, k, v, options: Mapping[st
   """Writes T keys at ``index``; query t reads positions ``<= index + t``.
 
   The read takes the cached positions ``< index`` from the cache as it was
-  and the T new ones from the chunk itself: the updated cache is then only
-  carried, so XLA updates it in place instead of copying it every step.
-  ``mask`` (``[B|1, N|1, T, C]``, over the cache's positions) narrows both.
+  and the T new ones from the chunk itself; the write then waits for the
+  read (``_after``), so that the updated cache is only carried and XLA
+  updates it in place instead of copying it every step. A sparse pattern's
+  row ``i = index + t`` reads only the L keys it names (``sparse.decode_rows``),
+  gathered from the cache: a step costs O(L), not O(C). ``mask``
+  (``[B|1, N|1, T, C]``, over the cache's positions) narrows both.
   """
   B, K, C, H = cache.key.shape
   T = q.shape[1]
@@ -748,25 +752,68 @@ def _kv_decode(spec: AttentionSpec, cache: KVCache, q, k, v, options: Mapping[st
     raise ValueError(f"MultiHeadAttention: {T} positions do not fit a KV cache of capacity {C}.")
   index = cache.index
   jax.debug.callback(_check_capacity, index, T, C)
-  write = lambda c, x: lax.dynamic_update_slice_in_dim(  # noqa: E731
-      c, x.swapaxes(1, 2).astype(c.dtype), index, axis=2)
-  old = (jnp.arange(C) < index)[None, None, None]  # [1, 1, 1, C]: cached before this chunk.
+  write = lambda c, x, at: lax.dynamic_update_slice_in_dim(  # noqa: E731
+      c, x.swapaxes(1, 2).astype(c.dtype), at, axis=2)
+  chunk_columns = lambda m: lax.dynamic_slice_in_dim(  # noqa: E731  [.., C] -> [.., T]
+      jnp.pad(m, [(0, 0)] * (m.ndim - 1) + [(0, T)]), index, T, axis=-1)
   new = jnp.tril(jnp.ones((T, T), bool))[None, None]  # [1, 1, T, T]: causal within the chunk.
-  rows = _pattern_rows(spec, C, index, T, options)  # [1, N|1, T, C] or None
-  if mask is not None:
-    rows = mask if rows is None else rows & mask
-  if rows is not None:  # The chunk's own columns are rows' columns index .. index + T - 1.
-    old = old & rows
-    padded = jnp.pad(rows, [(0, 0)] * 3 + [(0, T)])
-    new = new & lax.dynamic_slice_in_dim(padded, index, T, axis=-1)
+  rows = None if spec.dense_mask is None else sparse.decode_rows(spec, C, q.shape[2], options)
+  if rows is not None:  # Row i = index + t gathers its L keys: [1, P, T, L] (P = 1 or N).
+    i = index + jnp.arange(T, dtype=index.dtype)
+    at, old = gather.row_keys(rows, i)  # [P, T, L]
+    old = (old & (at < index))[None]  # Cached before this chunk; the chunk's own are in `new`.
+    new = new & gather.row_allows(rows, i, i)[None]
+    if mask is not None:  # [B|1, N|1, T|1, C|1] at the rows' keys: [B|1, N|P, T, L].
+      b, n = mask.shape[0], max(mask.shape[1], at.shape[0])
+      mask = jnp.broadcast_to(mask, (b, n, T, C))
+      old = old & jnp.take_along_axis(mask, jnp.broadcast_to(at, (b, n) + at.shape[1:]), axis=-1)
+      new = new & chunk_columns(mask)
+    cached_key, cached_value = (_gathered(c, at) for c in (cache.key, cache.value))
+  else:
+    old = (jnp.arange(C) < index)[None, None, None]  # [1, 1, 1, C]: cached before this chunk.
+    pattern = _pattern_rows(spec, C, index, T, options)  # [1, N|1, T, C] or None
+    if mask is not None:
+      pattern = mask if pattern is None else pattern & mask
+    if pattern is not None:  # The chunk's own columns are its columns index .. index + T - 1.
+      old = old & pattern
+      new = new & chunk_columns(pattern)
+    cached_key, cached_value = cache.key, cache.value
   scale = checks.resolve_scale(options.get("scale"), H)
-  read = lambda: _cached_read(q, (cache.key, k), (cache.value, v), (old, new), scale)  # noqa: E731
+  read = lambda: _cached_read(q, (cached_key, k), (cached_value, v), (old, new), scale)  # noqa: E731
   if spec.full_softmax and T > 1 and mask is None:
     fresh = lambda: spec.function(q, k, v, is_causal=True, **options)  # noqa: E731
     out = lax.cond(index == 0, fresh, read)  # A prompt from position 0 needs no cache read.
   else:
     out = read()
-  return KVCache(write(cache.key, k), write(cache.value, v), index + T), out
+  at = _after(index, out)
+  return KVCache(write(cache.key, k, at), write(cache.value, v, at), index + T), out
+
+
+def _gathered(cache: jax.Array, at: jax.Array) -> jax.Array:
+  """The cache ``[B, K, C, H]`` at positions ``at [P, T, L]``: ``[B, K, 1|G, T, L, H]``.
+
+  ``P = 1``: every query head reads the same positions of its key/value head;
+  ``P = N``: query head n reads its own, from key/value head ``n // G``.
+  """
+  B, K, C, H = cache.shape
+  P, T, L = at.shape
+  if P == 1:
+    return jnp.take(cache, at[0], axis=2, mode="clip")[:, :, None]
+  at = at.reshape(K, P // K, T, L) + (jnp.arange(K, dtype=at.dtype) * C)[:, None, None, None]
+  return jnp.take(cache.reshape(B, K * C, H), at, axis=1, mode="clip")
+
+
+def _after(index: jax.Array, out: jax.Array) -> jax.Array:
+  """``index`` (``[]`` int32), computed after ``out``: a cache write at it waits for the reads.
+
+  ``index + min(any(isnan(out)), 0)`` is ``index``, but XLA cannot fold the
+  term away, so the write into the cache ``[B, K, C, H]`` depends on the
+  read that made ``out``. Without that order XLA:CPU's copy insertion cannot
+  prove the read of the old cache ends before the in-place update, and
+  copies the whole cache twice per step inside a decode loop (a
+  ``lax.optimization_barrier`` is expanded away before that pass on CPU).
+  """
+  return index + jnp.minimum(jnp.isnan(out).any().astype(index.dtype), 0)
 
 
 def _cached_read(q: jax.Array, keys: tuple[jax.Array, jax.Array],
@@ -775,7 +822,8 @@ def _cached_read(q: jax.Array, keys: tuple[jax.Array, jax.Array],
   """``softmax(q kᵀ·scale, mask) v`` over the cache and the new chunk, in float32.
 
   ``q [B, T, N, H]``; ``keys``/``values``: the head-major cache ``[B, K, C, H]``
-  and the chunk's own ``[B, T, K, H]``; ``masks``: ``[B|1, N|1, T, C]`` and
+  (or the L keys gathered for each row, ``[B, K, 1|G, T, L, H]``) and the
+  chunk's own ``[B, T, K, H]``; ``masks``: ``[B|1, N|1, T, C|L]`` and
   ``[B|1, N|1, T, T]``. The cache is read where it lies (a transposed copy
   would dominate a decode step); a row that sees no key gives zeros.
   """
@@ -789,15 +837,36 @@ def _cached_read(q: jax.Array, keys: tuple[jax.Array, jax.Array],
     return mask.reshape((b, K, G) + mask.shape[2:] if n > 1 else (b, 1, 1) + mask.shape[2:])
 
   qg = q.reshape(B, T, K, G, H)
+  cached_key, cached_value = keys[0], values[0]
+  if cached_key.ndim == 4:  # The whole cache [B, K, C, H], shared by the rows.
+    cached_scores = jnp.einsum("btkgh,bkch->bkgtc", qg.astype(cached_key.dtype), cached_key,
+                               preferred_element_type=f32)
+
+    def cached_sum(p):  # [B, K, G, T, C] -> [B, K, G, T, H]
+      # One row (G·T = 1: a single token, no GQA) makes this a vector-matrix product,
+      # which XLA:CPU's own dot code runs at a fraction of memory speed (its library,
+      # YNNPACK, takes no vectors); a zero second row makes it a matrix product that
+      # reads the cache at memory speed (3x faster at C = 65536). The row is dropped.
+      pad = [(0, 0)] * 3 + [(0, int(G * T == 1)), (0, 0)]
+      out = jnp.einsum("bkgtc,bkch->bkgth", jnp.pad(p.astype(cached_value.dtype), pad),
+                       cached_value, preferred_element_type=f32)
+      return out[:, :, :, :T]
+  else:  # Each row's L gathered keys [B, K, 1|G, T, L, H].
+    per_head = cached_key.shape[2] > 1
+    kv = "bkgtlh" if per_head else "bktlh"
+    cached_key, cached_value = (x if per_head else x[:, :, 0] for x in (cached_key, cached_value))
+    cached_scores = jnp.einsum(f"btkgh,{kv}->bkgtl", qg.astype(cached_key.dtype), cached_key,
+                               preferred_element_type=f32)
+    cached_sum = lambda p: jnp.einsum(  # noqa: E731
+        f"bkgtl,{kv}->bkgth", p.astype(cached_value.dtype), cached_value,
+        preferred_element_type=f32)
   scores = (
-      jnp.einsum("btkgh,bkch->bkgtc", qg.astype(keys[0].dtype), keys[0],
-                 preferred_element_type=f32),
+      cached_scores,
       jnp.einsum("btkgh,bskh->bkgts", qg, keys[1].astype(q.dtype), preferred_element_type=f32),
   )
   # Batch dims first in the output: XLA:CPU then multiplies in place (3x faster here).
   weighted_sums = (
-      lambda p: jnp.einsum("bkgtc,bkch->bkgth", p.astype(values[0].dtype), values[0],
-                           preferred_element_type=f32),
+      cached_sum,
       lambda p: jnp.einsum("bkgts,bskh->bkgth", p, values[1].astype(f32),
                            preferred_element_type=f32))
   cached, fresh = (softmax_block(jnp.where(grouped(m), x * scale, -jnp.inf), weighted_sum)

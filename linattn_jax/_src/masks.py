@@ -41,6 +41,31 @@ def local_predicate(
   return (rel >= -left) & (rel <= right)
 
 
+def strided_predicate(q_pos: Any, k_pos: Any, T: int, S: int, stride: int,
+                      window: tuple[int, int] | None) -> Any:
+  """``k_pos % stride == 0`` (a summary column), or with ``window = (left, right)`` a key
+  within the query's window (:func:`local_predicate`)."""
+  hit = k_pos % stride == 0
+  if window is not None:
+    hit = hit | local_predicate(q_pos, k_pos, T, S, *window)
+  return hit
+
+
+def longformer_predicate(q_pos: Any, k_pos: Any, T: int, S: int, left: int, right: int,
+                         global_positions: np.ndarray) -> Any:
+  """A key in the query's window, a global key, or any key of a global query's row.
+
+  ``global_positions`` are key positions (static, numpy); query i is the token
+  at key position ``i + S - T``.
+  """
+  def is_global(pos):  # pos [...] -> [...]: one of the global positions.
+    glob = np.asarray(global_positions).reshape((1,) * np.ndim(pos) + (-1,))
+    return (pos[..., None] == glob).any(-1)
+
+  return (local_predicate(q_pos, k_pos, T, S, left, right) | is_global(k_pos)
+          | is_global(q_pos + (S - T)))
+
+
 def length_predicate(pos: Any, lengths: jax.Array | None) -> jax.Array:
   """``pos < lengths`` per batch entry: ``[B, *pos.shape]`` (``[1, ...]`` all True if None)."""
   pos = jnp.asarray(pos)
@@ -241,11 +266,9 @@ def strided(T: int, S: int, stride: int, window_size: Any = None) -> jax.Array:
     Child et al., "Generating Long Sequences with Sparse Transformers", 2019.
   """
   stride = check_positive_int(stride, name="stride", fn="strided")
+  window = None if window_size is None else normalize_window(window_size, fn="strided")
   q, k = _positions(T, S, "strided")
-  out = jnp.broadcast_to(k % stride == 0, (T, S))
-  if window_size is not None:
-    out = out | local(T, S, window_size)
-  return out
+  return jnp.broadcast_to(strided_predicate(q, k, T, S, stride, window), (T, S))
 
 
 def block_sparse(layout: Any, block_size: int, T: int, S: int) -> jax.Array:
@@ -346,12 +369,10 @@ def longformer(T: int, S: int, window_size: Any, global_positions: Any) -> jax.A
   References:
     Beltagy et al., "Longformer: The Long-Document Transformer", 2020.
   """
+  left, right = normalize_window(window_size, fn="longformer")
   q, k = _positions(T, S, "longformer")
   glob = check_global_positions(global_positions, S, "longformer")
-  glob_j = jnp.asarray(glob)
-  is_global_key = jnp.isin(k, glob_j)
-  is_global_query = jnp.isin(q + (S - T), glob_j)
-  return local(T, S, window_size) | is_global_key | is_global_query
+  return longformer_predicate(q, k, T, S, left, right, glob)
 
 
 def _seed(rng: Any, fn: str) -> np.random.Generator:

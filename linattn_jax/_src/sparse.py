@@ -25,8 +25,9 @@ References:
 from __future__ import annotations
 
 import functools
+import inspect
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -37,8 +38,8 @@ from jax.typing import ArrayLike
 from linattn_jax._src import checks
 from linattn_jax._src import masks as masks_lib
 from linattn_jax._src.dense import softmax_attention_reference
-from linattn_jax._src.gather import Plan, attend, dedupe, tile_rows
-from linattn_jax._src.registry import AttentionSpec, StreamingSpec, register_attention
+from linattn_jax._src.gather import Plan, RowKeys, attend, block_table, dedupe, tile_rows
+from linattn_jax._src.registry import AttentionSpec, StreamingSpec, accepted, register_attention
 from linattn_jax._src.softmax import softmax_attention
 
 SparseImplementation = Literal["reference", "blocked"]
@@ -390,7 +391,8 @@ def strided_attention(
   """
   fn = "strided_attention"
   stride = checks.check_positive_int(stride, name="stride", fn=fn)
-  left, right = (0, 0) if window_size is None else masks_lib.normalize_window(window_size, fn=fn)
+  window = None if window_size is None else masks_lib.normalize_window(window_size, fn=fn)
+  left, right = window or (0, 0)
 
   def pattern(T: int, S: int) -> _Pattern:
     Q = _block(block_size, T, fn)
@@ -399,21 +401,26 @@ def strided_attention(
       rows = tile_rows(T, Q)
       keys = np.broadcast_to(summary, (rows.shape[0], summary.size))
     else:
-      rows, window = _window_pass(T, S, Q, left, right)
-      keys = np.concatenate([window, np.broadcast_to(summary, (rows.shape[0], summary.size))], 1)
+      rows, spans = _window_pass(T, S, Q, left, right)
+      keys = np.concatenate([spans, np.broadcast_to(summary, (rows.shape[0], summary.size))], 1)
     keys = keys[None]
     plan = Plan(rows, keys, dedupe(keys, np.ones(keys.shape, bool), S))
-
-    def rule(q, k):
-      hit = k % stride == 0
-      if window_size is not None:
-        hit = hit | masks_lib.local_predicate(q, k, T, S, left, right)
-      return hit
-
+    rule = lambda q, k: masks_lib.strided_predicate(q, k, T, S, stride, window)  # noqa: E731
     return _Pattern(lambda: masks_lib.strided(T, S, stride, window_size), (_Pass(plan, rule),))
 
   return _run(fn, query, key, value, implementation=implementation, is_causal=is_causal,
               scale=scale, key_value_seq_lengths=key_value_seq_lengths, pattern=pattern)
+
+
+def _strided_rows(S: int, *, stride: int, window_size: Any) -> RowKeys:
+  """Decoding :func:`strided_attention`: row i gathers its window and the summary columns
+  ``0, stride, ..`` (``S / stride + left + 1`` keys)."""
+  fn = "strided_attention"
+  stride = checks.check_positive_int(stride, name="stride", fn=fn)
+  window = None if window_size is None else masks_lib.normalize_window(window_size, fn=fn)
+  rule = lambda q, k: masks_lib.strided_predicate(q, k, S, S, stride, window)  # noqa: E731
+  return RowKeys(window=None if window is None else window[0],
+                 columns=np.arange(0, S, stride), rule=rule)
 
 
 # -------------------------------------------------------- block sparse ---
@@ -427,17 +434,9 @@ def _layout_plan(layout: np.ndarray, row_blocks: np.ndarray, bs: int, S: int,
   with their query positions in ``rows`` computed by the caller. Key block b
   covers key positions ``b·bs - key_offset .. (b + 1)·bs - key_offset - 1``.
   """
-  P = layout.shape[0]
-  chosen = layout[:, row_blocks]  # [P, R, nkb]
-  L = max(1, int(chosen.sum(-1).max())) * bs
-  keys = np.zeros((P, len(row_blocks), L), np.int64)
-  valid = np.zeros((P, len(row_blocks), L), bool)
-  for p in range(P):
-    for r in range(len(row_blocks)):
-      blocks = np.flatnonzero(chosen[p, r])
-      span = (blocks[:, None] * bs + np.arange(bs)[None, :]).reshape(-1) - key_offset
-      keys[p, r, : span.size] = span
-      valid[p, r, : span.size] = True
+  table = block_table(layout[:, row_blocks])  # [P, R, M]
+  keys = (table[..., None] * bs + np.arange(bs) - key_offset).reshape(table.shape[:2] + (-1,))
+  valid = np.repeat(table >= 0, bs, axis=-1)
   return keys, dedupe(keys, valid, S)
 
 
@@ -511,17 +510,39 @@ def block_sparse_attention(
   bs = checks.check_positive_int(block_size, name="block_size", fn=fn)
 
   def pattern(T: int, S: int) -> _Pattern:
-    grid = _check_layout(layout, T, S, bs, fn)
-    if grid.shape[0] not in (1, query_heads):
-      raise ValueError(f"{fn}: a per-head layout needs N={query_heads} heads; got {grid.shape}.")
+    grid = _head_layout(layout, T, S, bs, query_heads, fn)
     rows = tile_rows(T, bs)
     keys, valid = _layout_plan(grid, np.arange(rows.shape[0]), bs, S)
-    dense = lambda: masks_lib.block_sparse(grid if grid.shape[0] > 1 else grid[0], bs, T, S)  # noqa: E731
+    dense = lambda: masks_lib.block_sparse(_squeeze_heads(grid), bs, T, S)  # noqa: E731
     return _Pattern(dense, (_Pass(Plan(rows, keys, valid)),))
 
   query_heads = np.shape(query)[-2]
   return _run(fn, query, key, value, implementation=implementation, is_causal=is_causal,
               scale=scale, key_value_seq_lengths=key_value_seq_lengths, pattern=pattern)
+
+
+def _head_layout(layout: Any, T: int, S: int, bs: int, N: int, fn: str) -> np.ndarray:
+  """:func:`_check_layout`, whose first axis must be 1 (shared) or N (one per query head)."""
+  grid = _check_layout(layout, T, S, bs, fn)
+  if grid.shape[0] not in (1, N):
+    raise ValueError(f"{fn}: a per-head layout needs N={N} heads; got {grid.shape}.")
+  return grid
+
+
+def _causal_table(grid: np.ndarray) -> np.ndarray:
+  """The key blocks ``[P, nb, M]`` (see :func:`block_table`) each block row of a square
+  layout ``[P, nb, nb]`` lists up to its own: what a decoded row gathers."""
+  nb = grid.shape[-1]
+  return block_table(grid & (np.arange(nb)[None, :] <= np.arange(nb)[:, None]))
+
+
+def _block_sparse_rows(S: int, *, layout: Any, block_size: int, num_heads: int) -> RowKeys:
+  """Decoding :func:`block_sparse_attention` on a sequence of S keys: the blocks listed for
+  row i's block row (``block_size`` times the longest causal row's count of keys)."""
+  fn = "block_sparse_attention"
+  bs = checks.check_positive_int(block_size, name="block_size", fn=fn)
+  return RowKeys(blocks=_causal_table(_head_layout(layout, S, S, bs, num_heads, fn)),
+                 block_size=bs)
 
 
 # ---------------------------------------------------------- longformer ---
@@ -582,8 +603,7 @@ def longformer_attention(
     rows, window = _window_pass(T, S, _block(block_size, T, fn), left, right)
     keys = np.concatenate([window, np.broadcast_to(glob, (rows.shape[0], glob.size))], 1)[None]
     tiled = Plan(rows, keys, dedupe(keys, np.ones(keys.shape, bool), S))
-    rule = lambda q, k: (masks_lib.local_predicate(q, k, T, S, left, right)  # noqa: E731
-                         | np.isin(k, glob))
+    rule = lambda q, k: masks_lib.longformer_predicate(q, k, T, S, left, right, glob)  # noqa: E731
     dense = lambda: masks_lib.longformer(T, S, (left, right), glob)  # noqa: E731
     global_rows = glob - (S - T)
     global_rows = global_rows[(global_rows >= 0) & (global_rows < T)]
@@ -594,6 +614,17 @@ def longformer_attention(
 
   return _run(fn, query, key, value, implementation=implementation, is_causal=is_causal,
               scale=scale, key_value_seq_lengths=key_value_seq_lengths, pattern=pattern)
+
+
+def _longformer_rows(S: int, *, window_size: Any, global_positions: Sequence[int]) -> RowKeys:
+  """Decoding :func:`longformer_attention` on a sequence of S keys: row i gathers its window
+  and the keys ``0 .. g`` up to the last global position g: the global keys, and
+  every key a global row (at most g) sees; ``left + g + 2`` keys."""
+  fn = "longformer_attention"
+  left, right = masks_lib.normalize_window(window_size, fn=fn)
+  glob = masks_lib.check_global_positions(global_positions, S, fn)
+  rule = lambda q, k: masks_lib.longformer_predicate(q, k, S, S, left, right, glob)  # noqa: E731
+  return RowKeys(window=left, columns=np.arange(glob.max(initial=-1) + 1), rule=rule)
 
 
 # -------------------------------------------------------------- bigbird ---
@@ -688,7 +719,25 @@ def bigbird_attention(
               key_value_seq_lengths=key_value_seq_lengths, pattern=pattern)
 
 
+def _bigbird_rows(S: int, *, block_size: int, num_window_blocks: int, num_global_blocks: int,
+                  num_random_blocks: int, rng: Any) -> RowKeys:
+  """Decoding causal :func:`bigbird_attention` on a sequence of S keys: row i gathers the
+  global, window and random blocks of its block row (the same draw from ``rng``)."""
+  fn = "bigbird_attention"
+  bs = checks.check_positive_int(block_size, name="block_size", fn=fn)
+  grid = masks_lib.bigbird_blocks(-(-S // bs), num_window_blocks=num_window_blocks,
+                                  num_global_blocks=num_global_blocks,
+                                  num_random_blocks=num_random_blocks, rng=rng, is_causal=True,
+                                  fn=fn)
+  return RowKeys(blocks=_causal_table(grid[None]), block_size=bs)
+
+
 # ------------------------------------------------------------ registry ---
+
+
+def _squeeze_heads(grid: np.ndarray) -> np.ndarray:
+  """A layout ``[P, nqb, nkb]`` as ``[nqb, nkb]`` when shared, ``[N, nqb, nkb]`` per head."""
+  return grid[0] if grid.shape[0] == 1 else grid
 
 
 def _init_local_like(query, key, value, *, window_size):
@@ -696,9 +745,38 @@ def _init_local_like(query, key, value, *, window_size):
   return init_local_state(B, K, H, value.shape[-1], key.dtype, window_size=window_size)
 
 
+# A sparse function's decoding rows: (S, **its pattern's options) -> RowKeys.
+_DECODE_ROWS: dict[Callable[..., Any], Callable[..., RowKeys]] = {}
+
+
+def decode_rows(spec: AttentionSpec, S: int, num_heads: int,
+                options: Mapping[str, Any]) -> RowKeys | None:
+  """The keys each row of ``spec``'s causal pattern on a sequence of S keys visits, as the
+  rows at traced positions of a decode step gather them; None for a variant without.
+
+  Takes no arrays: ``options`` are the variant's (its function's defaults fill
+  the others) and ``num_heads`` N (a per-head layout must have N).
+
+  Raises:
+    ValueError: for options the variant's function would refuse (e.g. a
+      layout of the wrong shape for S, global positions past S).
+  """
+  build = _DECODE_ROWS.get(spec.function)
+  if build is None:
+    return None
+  defaults = {name: p.default for name, p in inspect.signature(spec.function).parameters.items()
+              if p.kind is p.KEYWORD_ONLY and p.default is not p.empty}
+  options = {**defaults, **spec.what_options(options), "num_heads": num_heads}
+  return build(S, **accepted(build, options))
+
+
 def _spec(name: str, function: Callable[..., Any], dense_mask: Callable[..., Any], *,
-          how: tuple[str, ...] = ("implementation", "block_size"), **kw: Any) -> AttentionSpec:
-  """Registers a sparse variant; its oracle is the same function's reference path."""
+          how: tuple[str, ...] = ("implementation", "block_size"),
+          rows: Callable[..., RowKeys] | None = None, **kw: Any) -> AttentionSpec:
+  """Registers a sparse variant; its oracle is the same function's reference path; ``rows``
+  says which keys a decoded row gathers (see :func:`decode_rows`)."""
+  if rows is not None:
+    _DECODE_ROWS[function] = rows
   return register_attention(AttentionSpec(
       name=name, function=function,
       reference=functools.partial(function, implementation="reference"),
@@ -712,16 +790,18 @@ _spec("local", local_attention,
                               state_passing=False))
 _spec("strided", strided_attention,
       lambda T, S, *, is_causal, stride, window_size=None: masks_lib.strided(
-          T, S, stride, window_size))
+          T, S, stride, window_size),
+      rows=_strided_rows)
 # Block-sparse and BigBird patterns are defined in blocks: block_size says what, not how.
-_spec("block_sparse", block_sparse_attention,
-      lambda T, S, *, is_causal, layout, block_size: masks_lib.block_sparse(
-          _check_layout(layout, T, S, block_size, "block_sparse")[0], block_size, T, S),
-      how=("implementation",))
+_spec("block_sparse", block_sparse_attention, lambda T, S, *, is_causal, layout, block_size: (
+          masks_lib.block_sparse(_squeeze_heads(_check_layout(layout, T, S, block_size,
+                                                              "block_sparse")), block_size, T, S)),
+      how=("implementation",), rows=_block_sparse_rows)
 _spec("longformer", longformer_attention,
       lambda T, S, *, is_causal, window_size, global_positions=(): masks_lib.longformer(
-          T, S, window_size, global_positions))
+          T, S, window_size, global_positions),
+      rows=_longformer_rows)
 _spec("bigbird", bigbird_attention,
       lambda T, S, *, is_causal, block_size, **counts: masks_lib.bigbird(
           T, S, block_size, is_causal=is_causal, **counts),
-      how=("implementation",))
+      how=("implementation",), rows=_bigbird_rows)
