@@ -1,0 +1,26 @@
+"""experiments.model_step runs end to end on a tiny model and writes its ratios."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from experiments import model_step
+
+# The training step runs optax (see conftest: standard dtype promotion for it).
+pytestmark = pytest.mark.standard_dtype_promotion
+
+
+def test_model_step_times_the_three_models_and_writes_ratios(tmp_path):
+  config = model_step.Config(
+      attentions=("linear_elu",), options={"linear_elu": {"implementation": "reference"}},
+      lengths=(16,), width=16, layers=1, heads=2, batch=1, dtype="float32", repeats=1, warmup=0,
+      seed=0, output_dir=str(tmp_path), plot=False)
+  model_step.run(config)
+  (record,) = json.loads((tmp_path / "model_step.json").read_text())["records"]
+  assert record["status"] == "ok", record["status"]
+  assert record["length"] == 16 and set(record["times_s"]) == set(model_step.MODELS)
+  for key in ("ours_s", "flax_s", "identity_s", "ours_vs_identity", "flax_vs_identity",
+              "ours_vs_flax"):
+    assert record[key] > 0, key
