@@ -9,15 +9,16 @@ under ``jax.jit`` on the split state (``nnx.split``):
 * ``ours``: ``linattn_jax.nn.MultiHeadAttention(attention=name)``;
 * ``flax``: ``flax.nnx.MultiHeadAttention`` whose ``attention_fn`` is
   ``nn.as_flax_attention_fn(get_attention(name, **options))`` (a variant's
-  random projection is the one layer (a) drew, bound as a constant);
+  random projection is the one layer (a) drew, passed as (a) passes it);
 * ``identity``: the same projections with the attention replaced by
   ``v + q ⊙ k`` (elementwise), the cost floor of a layer. The product keeps
   the query and key projections alive and gives the three projections
   different gradients: with ``q + k + v`` they would be equal and XLA would
   compute the weight gradient once for all three (2 matmuls fewer per layer).
 
-The three steps are timed in alternation, round by round (so the load of a
-shared machine falls on all alike), with ``benchmark.time_executable``:
+The three steps are timed in alternation, round by round and in rotating order
+(so the load of a shared machine falls on all alike), with
+``benchmark.time_executable``:
 ``--warmup`` untimed calls each, then ``--repeats`` rounds; medians are
 reported, with the ratios ``ours_vs_identity`` (a)/(c), ``flax_vs_identity``
 (b)/(c) and ``ours_vs_flax`` (a)/(b). Defaults: ``DEFAULT_ATTENTIONS`` with
@@ -139,19 +140,31 @@ class FlaxAttention(nnx.Module):
   """``flax.nnx.MultiHeadAttention`` running ``layer``'s variant as its ``attention_fn``.
 
   Called as ``Block`` calls its attention (training only: no decoding, no lengths).
+  The variant's arrays (a random projection) are ``layer``'s variables, bound into
+  ``attention_fn`` at each call: as in ``layer`` they reach the program as arguments
+  (bound once, as constants, XLA would fold them into the program and the comparison
+  would time that, not the layers).
   """
 
   def __init__(self, layer: nn.MultiHeadAttention, *, rngs: nnx.Rngs):
+    self.attention, self.options = layer.attention, dict(layer.attention_options)
     params = la.get_spec(layer.attention).params
-    arrays = {n: getattr(layer, n).get_value() for n in (params.names if params else ())}
-    fn = la.get_attention(layer.attention, **layer.attention_options, **arrays)
+    self.array_names = params.names if params else ()
+    for name in self.array_names:
+      setattr(self, name, getattr(layer, name))
     self.layer = nnx.MultiHeadAttention(
-        layer.num_heads, layer.in_features, attention_fn=nn.as_flax_attention_fn(fn),
-        decode=False, dtype=layer.dtype, rngs=rngs)
+        layer.num_heads, layer.in_features, attention_fn=self._attention_fn(), decode=False,
+        dtype=layer.dtype, rngs=rngs)
+
+  def _attention_fn(self):
+    arrays = {name: getattr(self, name).get_value() for name in self.array_names}
+    return nn.as_flax_attention_fn(la.get_attention(self.attention, **self.options, **arrays))
 
   def __call__(self, x: jax.Array, *, is_causal: bool, decode: bool,
                key_value_seq_lengths: Any) -> jax.Array:
     del decode, key_value_seq_lengths
+    if self.array_names:
+      self.layer.attention_fn = self._attention_fn()
     return self.layer(x, is_causal=is_causal)
 
 
@@ -215,13 +228,18 @@ def compiled_step(model: Transformer, batch: dict[str, jax.Array]) -> tuple[Any,
 
 def time_alternating(calls: Mapping[str, tuple[Any, tuple]], *, warmup: int,
                      repeats: int) -> dict[str, list[float]]:
-  """Seconds of ``repeats`` calls of each ``(compiled, args)``, one of each per round."""
+  """Seconds of ``repeats`` calls of each ``(compiled, args)``, one of each per round.
+
+  Each round starts one call later than the one before, so that no call always runs
+  first (after the Python loop) or right after the same other.
+  """
   for compiled, args in calls.values():
     benchmark.time_executable(compiled, args, warmup=warmup, repeats=0)
-  times: dict[str, list[float]] = {name: [] for name in calls}
-  for _ in range(repeats):
-    for name, (compiled, args) in calls.items():
-      times[name] += benchmark.time_executable(compiled, args, warmup=0, repeats=1)
+  names = list(calls)
+  times: dict[str, list[float]] = {name: [] for name in names}
+  for r in range(repeats):
+    for name in names[r % len(names):] + names[:r % len(names)]:
+      times[name] += benchmark.time_executable(*calls[name], warmup=0, repeats=1)
   return times
 
 
