@@ -455,19 +455,12 @@ def init_gated_state(batch: int, num_kv_heads: int, head_dim: int, value_dim: in
 
 
 def _one_token(fn, state, query, key, value, gates, **options):
-  """A causal pass of one token: ``[B, N, H]``, ``[B, K, H]``, ``[B, K, D]`` and gates
-  ``[B, K(, H)]`` (no B unbatched) -> ``(state, out [B, N, D])``, the state in its dtype."""
-  arrays = tuple(jnp.asarray(x) for x in (query, key, value))
-  if len({x.ndim for x in arrays}) != 1 or arrays[0].ndim not in (2, 3):
-    raise ValueError(
-        f"{fn.__name__}_step: query [B, N, H], key [B, K, H] and value [B, K, D] must have the "
-        f"same rank, 3 (or 2 unbatched); got {', '.join(str(x.shape) for x in arrays)}.")
-  at = arrays[0].ndim - 2  # The position axis: after B (if any).
+  """:func:`recurrence.one_token_step` with per-key gates ``[B, K(, H)]`` (no B unbatched)
+  given a position axis like the arrays."""
+  at = jnp.ndim(query) - 2  # The position axis: after B (if any); bad ranks are named there.
   gates = {name: None if x is None else jnp.expand_dims(jnp.asarray(x), at)
            for name, x in gates.items()}
-  out, new = fn(*(jnp.expand_dims(x, at) for x in arrays), **gates, initial_state=state,
-                return_state=True, implementation="scan", **options)
-  return GatedState(new.kv.astype(jnp.result_type(state.kv))), jnp.squeeze(out, at)
+  return recurrence.one_token_step(fn, state, query, key, value, **gates, **options)
 
 
 def gated_linear_attention_step(state: GatedState, query: ArrayLike, key: ArrayLike,
