@@ -176,7 +176,8 @@ def test_four_devices_give_the_losses_of_one(tmp_path):
   for devices in (1, 4):
     out = tmp_path / str(devices)
     result = _run(*flags_, f"--workdir={out}", env={
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"})
+        "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} "
+                     f"--xla_force_host_platform_device_count={devices}"})
     assert result.returncode == 0, result.stderr[-2000:]
     assert f"{devices} cpu device(s)" in result.stdout
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

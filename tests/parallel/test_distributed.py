@@ -36,8 +36,8 @@ def test_two_processes_equal_one(tmp_path):
   import distributed_worker as worker
 
   port = _free_port()
+  # Each process sets its own device count; the suite's compile flags carry over.
   env = {**os.environ, "PYTHONPATH": str(ROOT)}
-  env.pop("XLA_FLAGS", None)  # Each process sets its own device count.
   procs = [subprocess.Popen([sys.executable, str(WORKER), str(port), str(i), str(tmp_path)],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True) for i in range(2)]

@@ -221,19 +221,52 @@ def conditioning_bound(weights, value, out, dtype) -> np.ndarray:
   return CONDITIONING_FACTOR * u_compute * scaled + final_rounding
 
 
+_ORACLE_PROGRAMS: dict[Any, Any] = {}
+
+
+def _oracle_program(spec, what, kind: Any, is_causal: bool, make):
+  """``jax.jit(make())``, one per (variant, options, kind, mode) while options are hashable.
+
+  Eager dispatch would compile each of an oracle's ops on its own, and many
+  tests judge by the same oracle on the same shapes: sharing one compiled
+  program per case is most of the suite's speed. Lengths are arguments.
+  """
+  try:
+    key = (spec, tuple(sorted(what.items())), kind, is_causal)
+    hash(key)
+  except TypeError:  # Options holding arrays: compiled per call.
+    return jax.jit(make())
+  if key not in _ORACLE_PROGRAMS:
+    _ORACLE_PROGRAMS[key] = jax.jit(make())
+  return _ORACLE_PROGRAMS[key]
+
+
+def _oracle_forward(spec, what, is_causal: bool, with_weights: bool):
+  """The compiled oracle ``(q, k, v, lengths) -> (out, weights or None)``."""
+  def make():
+    oracle = spec.build_reference(**what)
+
+    def run(q, k, v, lengths):
+      out = oracle(q, k, v, is_causal=is_causal, key_value_seq_lengths=lengths)
+      if not with_weights:
+        return out, None
+      return out, spec.weights(q, k, is_causal=is_causal, key_value_seq_lengths=lengths, **what)
+    return run
+  return _oracle_program(spec, what, ("output", with_weights), is_causal, make)
+
+
 def oracle_output(spec, options, q, k, v, is_causal, lengths):
   """The spec's oracle on ``q, k, v``; float64 (same rounded inputs) when it judges by weights.
 
   Returns ``(out, weights)``; ``weights`` is None for variants judged by the table.
   """
   what = spec.what_options({**suite_options(spec), **options})
-  oracle = spec.build_reference(**what)
-  if spec.weights is None:
-    return oracle(q, k, v, is_causal=is_causal, key_value_seq_lengths=lengths), None
+  with_weights = spec.weights is not None
+  run = _oracle_forward(spec, what, is_causal, with_weights)
+  if not with_weights:
+    return run(q, k, v, lengths)
   with jax.enable_x64(True):
-    q64, k64, v64 = (jnp.asarray(x, jnp.float64) for x in (q, k, v))
-    out = oracle(q64, k64, v64, is_causal=is_causal, key_value_seq_lengths=lengths)
-    weights = spec.weights(q64, k64, is_causal=is_causal, key_value_seq_lengths=lengths, **what)
+    out, weights = run(*(jnp.asarray(x, jnp.float64) for x in (q, k, v)), lengths)
     return np.asarray(out), jax.tree.map(np.asarray, weights)
 
 
@@ -291,9 +324,8 @@ def assert_stress_output_matches_oracle(got, spec, q, k, v, *, is_causal, length
       _assert_within(got, want, conditioning_bound(weights, v, want, dtype), dtype, "output",
                      err_msg)
       return
-  oracle = spec.build_reference(**spec.what_options(suite_options(spec)))
-  want = oracle(*(x.astype(jnp.float32) for x in (q, k, v)), is_causal=is_causal,
-                key_value_seq_lengths=lengths)
+  run = _oracle_forward(spec, spec.what_options(suite_options(spec)), is_causal, False)
+  want, _ = run(*(x.astype(jnp.float32) for x in (q, k, v)), lengths)
   assert np.all(np.isfinite(np.asarray(got, np.float32))), f"{err_msg} output not finite"
   atol, rtol = TOLERANCE[dtype]
   np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=atol * amplitude,
@@ -359,14 +391,24 @@ def oracle_gradients(spec, options, q, k, v, is_causal, lengths, ct, with_sensit
   :func:`gradient_sensitivity` for signed weights (else zeros).
   """
   what = spec.what_options({**suite_options(spec), **options})
-  oracle = spec.build_reference(**what)
+
+  def make():
+    oracle = spec.build_reference(**what)
+
+    def run(q, k, v, lengths, ct):
+      if spec.weights is None:
+        return jax.grad(_loss_of(oracle, is_causal, lengths, ct), argnums=(0, 1, 2))(q, k, v), None
+      grads = jax.grad(_loss_of(oracle, is_causal, lengths, ct), argnums=(0, 1, 2))(q, k, v)
+      return grads, spec.weights(q, k, is_causal=is_causal, key_value_seq_lengths=lengths,
+                                 **what)
+    return run
+
+  run = _oracle_program(spec, what, "gradients", is_causal, make)
   if spec.weights is None:
-    ct = jnp.asarray(ct, jnp.float32)
-    return jax.grad(_loss_of(oracle, is_causal, lengths, ct), argnums=(0, 1, 2))(q, k, v), None
+    return run(q, k, v, lengths, jnp.asarray(ct, jnp.float32))[0], None
   with jax.enable_x64(True):
     q, k, v, ct = (jnp.asarray(x, jnp.float64) for x in (q, k, v, ct))
-    grads = jax.grad(_loss_of(oracle, is_causal, lengths, ct), argnums=(0, 1, 2))(q, k, v)
-    weights = spec.weights(q, k, is_causal=is_causal, key_value_seq_lengths=lengths, **what)
+    grads, weights = run(q, k, v, lengths, ct)
     if with_sensitivity and _signed(weights):  # One compile beats thousands of eager ops.
       sensitivity = jax.jit(lambda *qkv_ct: gradient_sensitivity(
           spec, what, *qkv_ct[:3], is_causal=is_causal, lengths=lengths, ct=qkv_ct[3]))(
