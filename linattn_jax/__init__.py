@@ -27,7 +27,9 @@ from linattn_jax._src.efficient import (
 )
 from linattn_jax._src.flash import flash_attention
 from linattn_jax._src.gated import (
+    DeltaSummary,
     GatedState,
+    GatedSummary,
     delta_rule_attention,
     delta_rule_attention_reference,
     delta_rule_attention_step,
@@ -90,6 +92,7 @@ __all__ = [
     "delta_rule_attention",
     "delta_rule_attention_reference",
     "delta_rule_attention_step",
+    "DeltaSummary",
     "efficient_attention",
     "efficient_attention_reference",
     "efficient_attention_step",
@@ -100,6 +103,7 @@ __all__ = [
     "gated_linear_attention_reference",
     "gated_linear_attention_step",
     "GatedState",
+    "GatedSummary",
     "get_attention",
     "get_spec",
     "heinsen_attention",

@@ -37,11 +37,13 @@ References:
 from __future__ import annotations
 
 import functools
+import inspect
 import typing
 from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.scipy.linalg import solve_triangular
 from jax.typing import ArrayLike
@@ -71,6 +73,52 @@ class GatedState(NamedTuple):
   """
 
   kv: jax.Array
+
+
+class GatedSummary(NamedTuple):
+  """What a span of keys does to a :class:`GatedState` under :func:`gated_linear_attention`.
+
+  The span maps a state ``S`` to ``diag(exp(a)) S + B``: ``a`` is the sum of its
+  log-decays, ``B`` its state from zero. Summaries compose associatively
+  (:func:`combine_gated`); one from position 0 continues as a state (``S = B``),
+  so ``initial_state`` takes either type.
+
+  Attributes:
+    kv: ``[B, K, H, D]``: ``B``, float32 (float64 for float64 inputs).
+    log_decay: ``a``, ``[B, K]`` for per-head gates or ``[B, K, H]`` for per-feature ones.
+
+  Examples:
+    >>> x = jnp.ones((1, 4, 2, 8))  # [B, S, K, H=D]
+    >>> s = la.get_spec("simple_gla").streaming.summarize(x, x, log_decay=jnp.full((1, 4, 2), -0.5))
+    >>> s.kv.shape, s.log_decay  # [B, K, H, D]; four steps of -0.5
+    ((1, 2, 8, 8), Array([[-2., -2.]], dtype=float32))
+  """
+
+  kv: jax.Array
+  log_decay: jax.Array
+
+
+class DeltaSummary(NamedTuple):
+  """What a span of keys does to a :class:`GatedState` under :func:`delta_rule_attention`.
+
+  The span maps ``S`` to ``A S + B`` with ``A = Π_t exp(g_t) (I - β_t k_t k_tᵀ)``
+  (the latest token on the left) and ``B`` its state from zero; summaries compose
+  by ``(A_l A_e, A_l B_e + B_l)`` (:func:`combine_gated`).
+
+  Attributes:
+    kv: ``[B, K, H, D]``: ``B``, float32 (float64 for float64 inputs).
+    transition: ``A``, ``[B, K, H, H]``.
+
+  Examples:
+    >>> k = jnp.zeros((1, 3, 1, 2)).at[..., 0].set(1.0)  # [B, S, K, H]: unit keys e_0
+    >>> s = la.get_spec("delta_net").streaming.summarize(k, k, beta=jnp.ones((1, 3, 1)))
+    >>> s.transition[0, 0]  # β = 1 erases what e_0 stored: I - e_0 e_0ᵀ
+    Array([[0., 0.],
+           [0., 1.]], dtype=float32)
+  """
+
+  kv: jax.Array
+  transition: jax.Array
 
 
 # Log-decays ------------------------------------------------------------------------------
@@ -172,9 +220,9 @@ _GLA_BODIES = {
 # gates = (g [B, K, C, 1], beta [B, K, C, 1]).
 
 
-def _delta_writes(S, chunk: recurrence.Chunk):
-  """The chunk's writes ``u [B, K, C, D]`` by one triangular solve (the WY/UT form), the
-  decays ``Γ_i / Γ_j`` ``[B, K, C, C]`` (0 where j > i), ``log Γ_i`` and the state after it."""
+def _delta_system(chunk: recurrence.Chunk):
+  """``I + L`` ``[B, K, C, C]`` with ``L_ij = β_i (Γ_i / Γ_j) k_iᵀ k_j`` (j < i), ``log Γ_i``
+  ``[B, K, C]`` and the decays ``Γ_i / Γ_j`` (0 where j > i) of a chunk's keys."""
   g, beta = (x[..., 0] for x in chunk.gates)  # [B, K, C]
   k = chunk.fk
   C = k.shape[2]
@@ -182,14 +230,54 @@ def _delta_writes(S, chunk: recurrence.Chunk):
   decay = jnp.exp(segment_sums(g, 2))
   strictly_lower = jnp.tril(jnp.ones((C, C), bool), -1)
   L = jnp.where(strictly_lower, beta[..., None] * decay * jnp.einsum("bkih,bkjh->bkij", k, k), 0)
+  return L + jnp.eye(C, dtype=L.dtype)[None, None], prefix, decay
+
+
+def _delta_writes(S, chunk: recurrence.Chunk):
+  """The chunk's writes ``u [B, K, C, D]`` by one triangular solve (the WY/UT form), the
+  decays ``Γ_i / Γ_j`` ``[B, K, C, C]`` (0 where j > i), ``log Γ_i`` and the state after it."""
+  g, beta = (x[..., 0] for x in chunk.gates)  # [B, K, C]
+  k = chunk.fk
+  system, prefix, decay = _delta_system(chunk)
   read = jnp.exp(prefix)[..., None] * jnp.einsum("bkih,bkhd->bkid", k, S)  # Γ_i S_0ᵀ k_i
-  eye = jnp.eye(C, dtype=L.dtype)[None, None]
-  u = solve_triangular(L + eye, beta[..., None] * (chunk.v - read), lower=True,
+  u = solve_triangular(system, beta[..., None] * (chunk.v - read), lower=True,
                        unit_diagonal=True)
   to_end = jnp.exp(_suffix_sums(g, 2))[..., None]  # [B, K, C, 1]: Γ_C / Γ_j
   S_end = (jnp.exp(prefix[:, :, -1])[..., None, None] * S
            + jnp.einsum("bkjh,bkjd->bkhd", k * to_end, u))
   return u, decay, prefix, S_end
+
+
+def _delta_transition(chunk: recurrence.Chunk) -> jax.Array:
+  """``A = Π_i exp(g_i) (I - β_i k_i k_iᵀ)`` ``[B, K, H, H]`` of a chunk, from the WY form.
+
+  With no values the writes are ``u = -W S_0`` for ``W = (I + L)⁻¹ diag(β Γ) K``, so
+  ``A = Γ_C I - Σ_j (Γ_C / Γ_j) k_j w_jᵀ``: one triangular solve, no product of C
+  matrices. Every factor is a decay ``≤ 1``, so resets neither overflow nor cancel.
+  """
+  g, beta = (x[..., 0] for x in chunk.gates)
+  k = chunk.fk
+  system, prefix, _ = _delta_system(chunk)
+  W = solve_triangular(system, (beta * jnp.exp(prefix))[..., None] * k, lower=True,
+                       unit_diagonal=True)  # [B, K, C, H]
+  to_end = jnp.exp(_suffix_sums(g, 2))[..., None]
+  eye = jnp.eye(k.shape[-1], dtype=k.dtype)[None, None]
+  return (jnp.exp(prefix[:, :, -1])[..., None, None] * eye
+          - jnp.einsum("bkjh,bkji->bkhi", k * to_end, W))
+
+
+def _span_transition(chunk: recurrence.Chunk, chunk_size: int) -> jax.Array:
+  """``A`` ``[B, K, H, H]`` of all the chunk's keys: one :func:`_delta_transition` per
+  block of ``chunk_size`` keys, multiplied in order (padding keys are identity steps)."""
+  keys = chunk.keys(0, chunk.num_keys)
+  B, K, _, H = keys.fk.shape
+  eye = jnp.zeros_like(keys.fk, shape=(B, K, H, H)) + jnp.eye(H, dtype=keys.fk.dtype)[None, None]
+
+  def body(A, block):
+    return jnp.einsum("bkhi,bkij->bkhj", _delta_transition(block), A), None
+
+  A, _ = lax.scan(jax.checkpoint(body), eye, keys.blocks(min(chunk_size, keys.num_keys)))
+  return A
 
 
 def _delta_chunk(config, S, chunk: recurrence.Chunk):
@@ -244,9 +332,35 @@ def _gate(x: Any, *, name: str, p: checks.Prepared, per_feature: bool, fn: str) 
   return (x[..., None] if x.ndim == 3 else x).transpose(0, 2, 1, 3)
 
 
-@functools.partial(jax.jit, static_argnames=("delta", "implementation", "chunk_size", "fn"))
+def _initial(state: Any, p: checks.Prepared, dtype: Any, *, delta: bool, per_feature: bool,
+             fn: str) -> GatedState | GatedSummary | DeltaSummary:
+  """``initial_state`` checked against the arrays, batched and in ``dtype``: a
+  :class:`GatedState`, or the family's summary (whose ``kv`` is the state it leaves)."""
+  B, _, _, _, K, H, D = p.dims
+  lead = (B,) if p.batched else ()
+  summary_cls = DeltaSummary if delta else GatedSummary
+  want = {"kv": lead + (K, H, D)}
+  if isinstance(state, summary_cls):
+    cls = summary_cls
+    want.update({"transition": lead + (K, H, H)} if delta else
+                {"log_decay": lead + (K,) + ((H,) if per_feature else ())})
+  elif isinstance(state, GatedState):
+    cls = GatedState
+  else:
+    raise ValueError(
+        f"{fn}: initial_state must be a {summary_cls.__name__} (fields "
+        f"{', '.join(summary_cls._fields)}) or a GatedState (field kv); got "
+        f"{type(state).__name__}.")
+  state = recurrence.check_state(state, cls, want, what="initial_state", fn=fn,
+                                 dims=f"B={B}, K={K}, H={H}, D={D}"
+                                 + ("" if p.batched else " (no B)"))
+  return jax.tree.map(lambda x: (x if p.batched else x[None]).astype(dtype), state)
+
+
+@functools.partial(jax.jit, static_argnames=("delta", "implementation", "chunk_size",
+                                             "return_state", "fn"))
 def _attention(query, key, value, log_decay, beta, scale, lengths, state, *, delta: bool,
-               implementation: str, chunk_size: int, fn: str):
+               implementation: str, chunk_size: int, return_state: bool, fn: str):
   p = checks.prepare_qkv(query, key, value, fn=fn)
   (lengths,) = checks.check_lengths(p, fn=fn, key_value_seq_lengths=lengths).values()
   B, T, S, N, K, H, D = p.dims
@@ -264,11 +378,8 @@ def _attention(query, key, value, log_decay, beta, scale, lengths, state, *, del
   if state is None:
     S0 = jnp.zeros_like(v, shape=(B, K, H, D))
   else:
-    lead = (B,) if p.batched else ()
-    (S0,) = recurrence.check_state(
-        state, GatedState, {"kv": lead + (K, H, D)}, dims=f"B={B}, K={K}, H={H}, D={D}",
-        what="initial_state", fn=fn)
-    S0 = (S0 if p.batched else S0[None]).astype(dtype)
+    state = _initial(state, p, dtype, delta=delta, per_feature=g.shape[-1] > 1, fn=fn)
+    S0 = state.kv
   if implementation == "reference":
     out, S_end = (_delta_reference if delta else _gla_reference)(S0, chunk)
   else:
@@ -278,7 +389,14 @@ def _attention(query, key, value, log_decay, beta, scale, lengths, state, *, del
     out, S_end = recurrence.run_chunks(bodies, None, S0, chunk, is_causal=True,
                                        chunk_size=chunk_size)
   out = out.transpose(0, 3, 1, 2, 4).reshape(B, T, N, D).astype(p.query.dtype)
-  return p.restore(out), GatedState(S_end if p.batched else S_end[0])
+  final = GatedState(S_end)
+  if isinstance(state, GatedSummary):  # Given a summary, return one: it composes with the span.
+    total = jnp.sum(chunk.gates[0], axis=2)  # [B, K, H|1]: the span's log-decay.
+    final = GatedSummary(S_end, state.log_decay + (total if g.shape[-1] > 1 else total[..., 0]))
+  elif isinstance(state, DeltaSummary) and return_state:
+    A = _span_transition(chunk, chunk_size)
+    final = DeltaSummary(S_end, jnp.einsum("bkhi,bkij->bkhj", A, state.transition))
+  return p.restore(out), final if p.batched else jax.tree.map(lambda x: x[0], final)
 
 
 def _run(query, key, value, log_decay, beta, *, scale, is_causal, key_value_seq_lengths,
@@ -292,7 +410,7 @@ def _run(query, key, value, log_decay, beta, *, scale, is_causal, key_value_seq_
   chunk_size = checks.check_positive_int(chunk_size, name="chunk_size", fn=fn)
   out, state = _attention(query, key, value, log_decay, beta, scale, key_value_seq_lengths,
                           initial_state, delta=beta is not None, implementation=implementation,
-                          chunk_size=chunk_size, fn=fn)
+                          chunk_size=chunk_size, return_state=bool(return_state), fn=fn)
   return (out, state) if return_state else out
 
 
@@ -326,8 +444,10 @@ def gated_linear_attention(
     scale: multiplies the query; default ``1 / sqrt(H)``.
     is_causal: must be True (these are recurrences).
     key_value_seq_lengths: optional ``[B]``: keys at or past it are identity steps.
-    initial_state: a :class:`GatedState` to continue from.
-    return_state: also return the final :class:`GatedState`.
+    initial_state: a :class:`GatedState` to continue from, or a
+      :class:`GatedSummary` (continued from its ``kv``).
+    return_state: also return the final state: a :class:`GatedState`, or for a
+      summary ``initial_state`` that summary followed by these keys.
     implementation: ``"reference"`` (the quadratic ``(Q Kᵀ ⊙ Γ) V`` with the
       decay matrix Γ), ``"scan"`` (token by token), ``"associative_scan"``, or
       ``"chunked"`` (the default: chunkwise parallel, O(T) memory).
@@ -392,9 +512,11 @@ def delta_rule_attention(
     scale: multiplies the query; default ``1 / sqrt(H)``.
     is_causal: must be True (these are recurrences).
     key_value_seq_lengths: optional ``[B]``: keys at or past it are identity steps.
-    initial_state: a :class:`GatedState` to continue from.
-    return_state: also return the final :class:`GatedState`.
-    implementation: ``"reference"`` (token by token, unrolled), ``"scan"``
+    initial_state: a :class:`GatedState` to continue from, or a
+      :class:`DeltaSummary` (continued from its ``kv``).
+    return_state: also return the final state: a :class:`GatedState`, or for a
+      summary ``initial_state`` that summary followed by these keys.
+    implementation: ``"reference"`` (token by token, every state kept), ``"scan"``
       (token by token on ``lax.scan``) or ``"chunked"`` (the default: the
       WY/UT chunk form, one triangular solve per chunk).
     chunk_size: positions per chunk of ``"scan"`` and ``"chunked"``.
@@ -565,18 +687,21 @@ def _gla_reference(S0, chunk: recurrence.Chunk):
 
 
 def _delta_reference(S0, chunk: recurrence.Chunk):
-  """The delta rule token by token, written out (a Python loop: small T only)."""
+  """The delta rule token by token, written out: one ``lax.scan`` step per key (every
+  key's state kept, ``[S, B, K, H, D]``: small S only), then each query reads its own."""
   chunk = _aligned(chunk)
   T, S = chunk.num_queries, chunk.num_keys
-  g, beta = chunk.gates
-  outs, state = [], S0
-  for j in range(S):
-    state = jnp.exp(g[:, :, j])[..., None] * state
-    u = beta[:, :, j] * (chunk.v[:, :, j] - jnp.einsum("bkh,bkhd->bkd", chunk.fk[:, :, j], state))
-    state = state + chunk.fk[:, :, j, :, None] * u[:, :, None, :]
-    if j >= S - T:
-      outs.append(jnp.einsum("bkgh,bkhd->bkgd", chunk.fq[:, :, :, j - (S - T)], state))
-  return jnp.stack(outs, axis=3), state
+
+  def token(state, x):
+    k, v, g, beta = x  # [B, K, H], [B, K, D], [B, K, 1], [B, K, 1]
+    state = jnp.exp(g)[..., None] * state
+    u = beta * (v - jnp.einsum("bkh,bkhd->bkd", k, state))
+    state = state + jnp.einsum("bkh,bkd->bkhd", k, u)
+    return state, state
+
+  keys = tuple(jnp.moveaxis(x, 2, 0) for x in (chunk.fk, chunk.v, *chunk.gates))
+  state, states = lax.scan(token, S0, keys)
+  return jnp.einsum("bkgth,tbkhd->bkgtd", chunk.fq, states[S - T:]), state
 
 
 def gated_linear_attention_reference(query: ArrayLike, key: ArrayLike, value: ArrayLike,
@@ -610,7 +735,7 @@ def delta_rule_attention_reference(query: ArrayLike, key: ArrayLike, value: Arra
                                    beta: ArrayLike, **options: Any):
   """The oracle of :func:`delta_rule_attention`: the token recurrence written out.
 
-  A Python loop over the S keys (small S only), float32. Takes the arrays
+  One step per key, keeping every state (small S only), float32. Takes the arrays
   ``[B, T, N, H]``, ``[B, S, K, H]``, ``[B, S, K, D]``, ``[B, S, K]`` and the
   options of :func:`delta_rule_attention` but ``implementation``.
 
@@ -643,3 +768,173 @@ def _reference_call(query, key, value, log_decay, beta, options, *, fn):
     raise ValueError(f"{fn}: unknown options {sorted(unknown)}.")
   return _run(query, key, value, log_decay, beta, **{**defaults, **options},
               implementation="reference", choices=("reference",), fn=fn)
+
+
+# Summaries, their combine and the registry entries ----------------------------------------
+
+
+def combine_gated(earlier: Any, later: Any) -> Any:
+  """The summary of ``earlier``'s keys followed by ``later``'s (the registry's ``combine``).
+
+  Gated: ``(B_e, a_e) ∘ (B_l, a_l) = (diag(exp(a_l)) B_e + B_l, a_e + a_l)``; delta rule:
+  ``(B_e, A_e) ∘ (B_l, A_l) = (A_l B_e + B_l, A_l A_e)``. Associative, so summaries of
+  consecutive spans combine into the summary of all. ``earlier`` may also be a
+  :class:`GatedState` (the state of the keys so far): the result is then the state
+  after ``later``'s keys.
+
+  Raises:
+    ValueError: for other or mixed types, or fields whose shapes differ.
+  """
+  cls = type(later)
+  if cls not in (GatedSummary, DeltaSummary) or type(earlier) not in (cls, GatedState):
+    raise ValueError(
+        "combine: later must be a GatedSummary or a DeltaSummary and earlier one of the same "
+        f"type or a GatedState; got {type(earlier).__name__} and {cls.__name__}.")
+  for field in type(earlier)._fields:
+    a, b = jnp.shape(getattr(earlier, field)), jnp.shape(getattr(later, field))
+    if a != b:
+      raise ValueError(f"combine: {cls.__name__}.{field} has shapes {a} and {b}.")
+  kv = earlier.kv
+  if cls is DeltaSummary:
+    kv = jnp.einsum("...hi,...id->...hd", later.transition, kv) + later.kv
+  else:
+    decay = jnp.exp(later.log_decay)
+    rank = jnp.ndim(kv) - decay.ndim
+    if rank not in (1, 2):
+      raise ValueError(f"combine: GatedSummary.log_decay {decay.shape} must be [B, K] or "
+                       f"[B, K, H] for kv {jnp.shape(kv)}.")
+    kv = (decay[..., None, None] if rank == 2 else decay[..., None]) * kv + later.kv
+  if type(earlier) is GatedState:
+    return GatedState(kv)
+  if cls is DeltaSummary:
+    return DeltaSummary(kv, jnp.einsum("...hi,...ij->...hj", later.transition,
+                                       earlier.transition))
+  return GatedSummary(kv, earlier.log_decay + later.log_decay)
+
+
+def _identity(key: Any, value: Any, *, delta: bool, per_feature: bool) -> Any:
+  """The summary of no keys (zero ``kv``; zero log-decay or identity transition) for
+  ``key [B, S, K, H]`` / ``value [B, S, K, D]`` (no B unbatched); None for bad ranks."""
+  key, value = jnp.asarray(key), jnp.asarray(value)
+  if key.ndim not in (3, 4) or value.ndim != key.ndim:
+    return None  # The attention call names the ranks.
+  lead, (K, H), D = key.shape[:-3], key.shape[-2:], value.shape[-1]
+  dtype = checks.accumulation_dtype(key.dtype)
+  # zeros_like: inside shard_map the summary varies over the devices as the keys do.
+  zeros = functools.partial(jnp.zeros_like, key, dtype)
+  kv = zeros(shape=lead + (K, H, D))
+  if delta:
+    eye = jnp.eye(H, dtype=dtype).reshape((1,) * (len(lead) + 1) + (H, H))
+    return DeltaSummary(kv, zeros(shape=lead + (K, H, H)) + eye)
+  return GatedSummary(kv, zeros(shape=lead + (K,) + ((H,) if per_feature else ())))
+
+
+def _init_like(query: Any, key: Any, value: Any, *, delta: bool, per_feature: bool) -> Any:
+  """The empty summary for ``[B, T, N, H]`` / ``[B, S, K, H]`` / ``[B, S, K, D]`` arrays
+  (the registry's ``init``): steps from it return summaries."""
+  p = checks.prepare_qkv(query, key, value, fn="init_gated_state")
+  return _identity(p.key, p.value, delta=delta, per_feature=per_feature)
+
+
+def _gated_summarize(key: Any, value: Any, log_decay: Any, *, key_value_seq_lengths: Any = None,
+                     chunk_size: int = DEFAULT_CHUNK_SIZE) -> GatedSummary:
+  """The :class:`GatedSummary` of ``key [B, S, K, H]`` / ``value [B, S, K, D]``."""
+  identity = _identity(key, value, delta=False,
+                       per_feature=jnp.ndim(log_decay) == jnp.ndim(key))
+  return recurrence.summarize_keys(gated_linear_attention, key, value, log_decay=log_decay,
+                                   initial_state=identity, chunk_size=chunk_size,
+                                   key_value_seq_lengths=key_value_seq_lengths)
+
+
+def _delta_summarize(key: Any, value: Any, beta: Any, *, log_decay: Any = None,
+                     key_value_seq_lengths: Any = None,
+                     chunk_size: int = DEFAULT_CHUNK_SIZE) -> DeltaSummary:
+  """The :class:`DeltaSummary` of ``key [B, S, K, H]`` / ``value [B, S, K, D]``: ``A`` is the
+  product of the chunks' WY transitions, one per ``chunk_size`` keys."""
+  return recurrence.summarize_keys(delta_rule_attention, key, value, beta=beta,
+                                   log_decay=log_decay, chunk_size=chunk_size,
+                                   initial_state=_identity(key, value, delta=True,
+                                                           per_feature=False),
+                                   key_value_seq_lengths=key_value_seq_lengths)
+
+
+def _fixed_log_decays(key: Any) -> jax.Array:
+  """RetNet's ``log γ_i`` with ``γ_i = 1 - 2^(-5-i)`` for key/value head i, broadcast to
+  ``key``'s shape without H (``[B, S, K]``, or ``[B, K]`` for one token)."""
+  shape = jnp.shape(key)
+  dtype = checks.accumulation_dtype(jnp.result_type(key))
+  if len(shape) < 2:
+    return jnp.zeros(shape[:-1], dtype)  # The attention call names the ranks.
+  log_gamma = np.log1p(-np.exp2(-5.0 - np.arange(shape[-2])))
+  return jnp.broadcast_to(jnp.asarray(log_gamma, dtype), shape[:-1])
+
+
+def _entry(fn: Any, *, name: str, key_at: int, inputs: tuple[str, ...], gates: Any) -> Any:
+  """``fn`` as registered under ``name``: its per-token inputs are the keyword-only
+  ``inputs``, which ``gates(key, **inputs)`` turns into ``fn``'s ``log_decay`` / ``beta``
+  (``key``: the positional argument at ``key_at``). Gates outside ``inputs`` are refused."""
+  signature = inspect.signature(fn)
+  params = [p for p in signature.parameters.values() if p.name not in ("log_decay", "beta")]
+  positional = [p for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+  rest = [p for p in params if p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD]
+  extra = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY) for n in inputs]
+
+  @functools.wraps(fn)
+  def entry(*args: Any, **kwargs: Any) -> Any:
+    given = {n: kwargs.pop(n) for n in inputs if n in kwargs}
+    missing = [n for n in inputs if n not in given]
+    refused = [n for n in ("log_decay", "beta") if n in kwargs]
+    if missing or refused:
+      raise ValueError(f"{name}: takes the per-token input(s) {list(inputs)} as keyword "
+                       f"arguments; missing {missing}, not taken {refused}.")
+    key = args[key_at] if len(args) > key_at else kwargs.get("key")
+    return fn(*args, **gates(key, **given), **kwargs)
+
+  entry.__signature__ = signature.replace(parameters=positional + extra + rest)
+  return entry
+
+
+def _checked_log_decay(name: str, *, per_feature: bool) -> Any:
+  """``gates(key, log_decay)`` for a variant whose decays are per head or per key feature."""
+  def gates(key: Any, log_decay: Any) -> dict[str, Any]:
+    want = jnp.ndim(key) - (0 if per_feature else 1)
+    if jnp.ndim(log_decay) != want:
+      what = "have key's shape (one decay per key feature)" if per_feature else (
+          "have key's shape without its last axis H (one decay per head)")
+      raise ValueError(f"{name}: log_decay must {what}; got {jnp.shape(log_decay)} for key "
+                       f"{jnp.shape(key)}.")
+    return {"log_decay": log_decay}
+  return gates
+
+
+def _register(name: str, *, delta: bool, inputs: tuple[tuple[str, str], ...], gates: Any,
+              per_feature: bool = False) -> None:
+  if delta:
+    function, reference, step, summarize = (delta_rule_attention, delta_rule_attention_reference,
+                                            delta_rule_attention_step, _delta_summarize)
+  else:
+    function, reference, step, summarize = (gated_linear_attention,
+                                            gated_linear_attention_reference,
+                                            gated_linear_attention_step, _gated_summarize)
+  entry = functools.partial(_entry, name=name, inputs=tuple(n for n, _ in inputs), gates=gates)
+  recurrence.register_recurrent(
+      name, function=entry(function, key_at=1), reference=entry(reference, key_at=1),
+      init=functools.partial(_init_like, delta=delta, per_feature=per_feature),
+      step=entry(step, key_at=2), summarize=entry(summarize, key_at=0),
+      implementations=DELTA_IMPLEMENTATIONS if delta else GATED_IMPLEMENTATIONS,
+      noncausal_only=frozenset(), supports_noncausal=False, extra_inputs=inputs,
+      combine=combine_gated)
+
+
+# RetNet: a fixed decay per head, no gate inputs.
+_register("retention", delta=False, inputs=(),
+          gates=lambda key: {"log_decay": _fixed_log_decays(key)})
+_register("simple_gla", delta=False, inputs=(("log_decay", "[B, S, K]"),),
+          gates=_checked_log_decay("simple_gla", per_feature=False))
+_register("gla", delta=False, inputs=(("log_decay", "[B, S, K, H]"),),
+          gates=_checked_log_decay("gla", per_feature=True), per_feature=True)
+_register("delta_net", delta=True, inputs=(("beta", "[B, S, K]"),),
+          gates=lambda key, beta: {"beta": beta})
+_register("gated_delta_net", delta=True,
+          inputs=(("beta", "[B, S, K]"), ("log_decay", "[B, S, K]")),
+          gates=lambda key, beta, log_decay: {"beta": beta, "log_decay": log_decay})

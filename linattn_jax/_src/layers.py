@@ -217,8 +217,10 @@ class MultiHeadAttention(nnx.Module):
       not a positive int, ``qkv_features`` not divisible by N, N not
       divisible by K, a ``dropout_rate`` outside [0, 1) or one for a variant
       that forms no weights, ``attention_fn`` with another variant, a
-      ``context_parallel`` that is not a ``ContextParallel``, or a variant
-      ``context_parallel`` cannot run.
+      ``context_parallel`` that is not a ``ContextParallel``, a variant
+      ``context_parallel`` cannot run, or a variant with per-token inputs
+      (``AttentionSpec.extra_inputs``: gates, betas), which the layer does
+      not yet project.
 
   Examples:
     >>> layer = nn.MultiHeadAttention(4, 32, attention="linear_elu", rngs=nnx.Rngs(0))
@@ -305,6 +307,11 @@ class MultiHeadAttention(nnx.Module):
     self.use_bias, self.normalize_qk = use_bias, normalize_qk
     self.attention = attention
     self._spec = spec = get_spec(attention)  # Resolved once; the layer asks it, not the name.
+    if spec.extra_inputs:
+      inputs = ", ".join(f"{name} {shape}" for name, shape in spec.extra_inputs)
+      raise ValueError(f"{fn}: attention={attention!r} needs per-token inputs ({inputs}) "
+                       "that this layer does not yet compute (it has no gate projections); "
+                       "call the function with them instead.")
     self.attention_options = _check_attention_options(spec, attention_options or {})
     if attention_fn is not None and (attention != "softmax" or self.attention_options):
       raise ValueError(f"{fn}: attention_fn replaces the registered attention; it cannot be "

@@ -81,7 +81,9 @@ def recurrent_attentions() -> list[str]:
   Takes no arrays. These variants fold keys into a fixed-size state (e.g.
   ``[B, K, M, D]`` and its normaliser) whose ``combine`` is associative, so
   devices exchange states, not keys. Exact softmax runs with
-  :func:`ring_attention` instead.
+  :func:`ring_attention` instead. Variants with per-token inputs (gates,
+  betas: ``AttentionSpec.extra_inputs``) are not listed: their inputs are not
+  sharded yet.
 
   Returns:
     A sorted list of registered names.
@@ -91,8 +93,8 @@ def recurrent_attentions() -> list[str]:
     >>> "performer" in names, "heinsen" in names, "softmax" in names
     (True, True, False)
   """
-  return [name for name in available_attentions()
-          if (s := get_spec(name).streaming) is not None and s.summarize is not None]
+  return [name for name in available_attentions() if not get_spec(name).extra_inputs
+          and (s := get_spec(name).streaming) is not None and s.summarize is not None]
 
 
 def _axis_size(mesh: Any, axis_name: Any, fn: str) -> int:
@@ -264,7 +266,7 @@ def context_parallel_attention(
     value: ``[B, T, K, D]``.
     attention: a registered recurrent variant (see
       :func:`recurrent_attentions`): linear_elu, linear_relu, linear_learned,
-      performer, random_fourier, efficient, heinsen.
+      performer, random_fourier, efficient, heinsen, retention (causal only).
     mesh: the device mesh; ``axis_name`` is one of its axes. On a mesh whose
       axes are Explicit (the default of ``jax.make_mesh``), pass arrays
       sharded on it or call inside ``jax.set_mesh(mesh)``.
@@ -280,7 +282,8 @@ def context_parallel_attention(
 
   Raises:
     ValueError: for a variant without a recurrent state (use
-      :func:`ring_attention` for softmax), an unknown or missing option, an
+      :func:`ring_attention` for softmax) or with per-token inputs,
+      ``is_causal=False`` for a causal-only variant, an unknown or missing option, an
       option context parallelism sets itself (``initial_state``,
       ``return_state``, ``key_value_seq_lengths``, ``is_causal``), a ``mesh``
       that is not a ``jax.sharding.Mesh``, an axis not in the mesh, T != S,
@@ -303,6 +306,10 @@ def context_parallel_attention(
   """
   fn = "context_parallel_attention"
   recurrent = recurrent_attentions()
+  if attention in available_attentions() and get_spec(attention).extra_inputs:
+    raise ValueError(f"{fn}: attention={attention!r} takes per-token inputs "
+                     f"{[name for name, _ in get_spec(attention).extra_inputs]}, which context "
+                     "parallelism does not shard yet.")
   if attention not in recurrent:
     raise ValueError(f"{fn}: attention={attention!r} has no recurrent state to pass between "
                      f"devices; recurrent variants: {recurrent} (exact softmax: ring_attention).")
@@ -311,6 +318,8 @@ def context_parallel_attention(
       raise ValueError(f"{fn}: `{name}` is set by context parallelism, not an option.")
   get_spec(attention).build(**options)  # Unknown or missing options fail here.
   is_causal = checks.check_static_bool(is_causal, name="is_causal", fn=fn)
+  if not is_causal and not get_spec(attention).supports_noncausal:
+    raise ValueError(f"{fn}: attention={attention!r} supports is_causal=True only.")
   _axis_size(mesh, axis_name, fn)
   arrays, static = _split_arrays(options)
   static = tuple(sorted((k, checks.static_option(v, name=k, fn=fn)) for k, v in static.items()))

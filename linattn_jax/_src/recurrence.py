@@ -686,12 +686,19 @@ def register_recurrent(name: str, *, function: Callable[..., Any], reference: Ca
                        noncausal_only: frozenset[str] = frozenset({"parallel"}),
                        weights: Callable[..., Any] | None = None,
                        params: ParamSpec | None = None,
-                       bind: Callable[..., Any] | None = None) -> None:
+                       bind: Callable[..., Any] | None = None,
+                       combine: Callable[..., Any] = combine_states,
+                       supports_noncausal: bool = True,
+                       extra_inputs: tuple[tuple[str, str], ...] = ()) -> None:
   """Registers a variant on this core: how it is chosen, streamed and combined.
 
   ``bind(fn, head_dim_at=0)`` turns each entry point into the registered one
   (a fixed feature map or kernel, ``params``' arrays); ``head_dim_at`` is the
   axis of H in ``step``'s one-token inputs. Every entry point is bound alike.
+  ``combine`` composes the states ``summarize`` returns (default: the kernel
+  families' :func:`combine_states`); ``extra_inputs`` are per-token inputs
+  (gates) that every entry point takes as keyword arguments, ``step`` one
+  token's worth (see ``AttentionSpec.extra_inputs``).
   """
   bind = bind or (lambda fn, head_dim_at=0: fn)
   register_attention(AttentionSpec(
@@ -701,8 +708,10 @@ def register_recurrent(name: str, *, function: Callable[..., Any], reference: Ca
       how_options=frozenset({"implementation", "chunk_size"}),
       implementations=implementations,
       noncausal_only=noncausal_only,
+      supports_noncausal=supports_noncausal,
       streaming=StreamingSpec(init=bind(init), step=bind(step, 1), summarize=bind(summarize),
-                              combine=combine_states),
+                              combine=combine),
       weights=None if weights is None else bind(weights),
       params=params,
+      extra_inputs=extra_inputs,
   ))

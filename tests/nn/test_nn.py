@@ -18,7 +18,18 @@ from linattn_jax._src.registry import get_spec
 B, T, IN, N, K = 2, 11, 16, 4, 2  # GQA: two query heads per key/value head.
 # A prompt, a step, a second chunk at a later position, then steps: every decode path.
 PIECES = (5, 1, 3, 1, 1)
-CAUSAL = [name for name in la.available_attentions() if get_spec(name).supports_causal]
+# Variants with per-token inputs (gates, betas) are left out: the layer does not yet project
+# them, and says so (test_a_variant_needing_per_token_inputs_is_refused_by_the_layer).
+CAUSAL = [name for name in la.available_attentions()
+          if get_spec(name).supports_causal and not get_spec(name).extra_inputs]
+GATED = [name for name in la.available_attentions() if get_spec(name).extra_inputs]
+
+
+@pytest.mark.parametrize("name", GATED)
+def test_a_variant_needing_per_token_inputs_is_refused_by_the_layer(name):
+  inputs = [input_name for input_name, _ in get_spec(name).extra_inputs]
+  with pytest.raises(ValueError, match=rf"attention='{name}' needs per-token inputs \({inputs[0]}"):
+    nn.MultiHeadAttention(N, IN, num_kv_heads=K, attention=name, rngs=nnx.Rngs(0))
 
 
 def _options(name: str) -> dict:

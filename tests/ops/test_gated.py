@@ -167,3 +167,139 @@ def test_decoding_step_by_step_equals_one_causal_pass():
                                 atol=2e-5, rtol=2e-5)
   empty = la.init_gated_state(batch=2, num_kv_heads=2, head_dim=8, value_dim=6)
   chex.assert_trees_all_equal(empty.kv, jnp.zeros((2, 2, 8, 6)))
+
+
+# Summaries and the registry entries --------------------------------------------------------
+
+
+def span_map(k, *, log_decay=None, beta=None, lengths=None):
+  """What the valid keys do to a state, float64: the summed log-decay ``[B, K(, H)]`` of gated
+  attention, or ``Π_t exp(g_t) (I - β_t k_t k_tᵀ)`` ``[B, K, H, H]`` of the delta rule (a
+  product of dense matrices, the latest on the left)."""
+  k = np.asarray(k, np.float64)
+  B, S, K, H = k.shape
+  g = np.zeros((B, S, K)) if log_decay is None else np.asarray(log_decay, np.float64)
+  valid = np.arange(S)[None, :] < (np.full(B, S) if lengths is None else lengths)[:, None]
+  if beta is None:
+    return np.einsum("bs...,bs->b...", g, valid.astype(np.float64))
+  A = np.broadcast_to(np.eye(H), (B, K, H, H)).copy()
+  for b in range(B):
+    for j in range(S):
+      if valid[b, j]:
+        for h in range(K):
+          kj = k[b, j, h]
+          step = np.exp(g[b, j, h]) * (np.eye(H) - beta[b, j, h] * np.outer(kj, kj))
+          A[b, h] = step @ A[b, h]
+  return A
+
+
+GATED_NAMES = ("retention", "simple_gla", "gla", "delta_net", "gated_delta_net")
+
+
+def per_token_inputs(name, g, beta):
+  """The registry entry's per-token inputs (retention has none)."""
+  return {"retention": {}, "simple_gla": dict(log_decay=g), "gla": dict(log_decay=g),
+          "delta_net": dict(beta=beta), "gated_delta_net": dict(beta=beta, log_decay=g)}[name]
+
+
+def retention_log_decay(B, S, K):
+  """RetNet's decays, written out: γ_i = 1 - 2^(-5-i) for head i."""
+  return np.broadcast_to(np.log(1 - 2.0 ** (-5 - np.arange(K))), (B, S, K))
+
+
+@pytest.mark.parametrize("name", GATED_NAMES)
+def test_summaries_are_the_span_maps_and_combine_associatively(name):
+  """Float64: per-span summaries combine (either way round) into the summary of all, which
+  is the token recurrence's state from zero and the span's total decay or transition; a
+  state followed by a summary is the recurrence from that state. One decay is a reset."""
+  spec = la.get_spec(name)
+  stream = spec.streaming
+  with jax.enable_x64(True):
+    q, k, v, g, beta, initial = (np.asarray(x, np.float64) for x in inputs(
+        per_feature=name == "gla", reset=True, seed=2))
+    if name == "retention":
+      g = retention_log_decay(*k.shape[:3])
+    lengths = np.array([13, 10])
+    delta = name.endswith("delta_net")
+    g_used = None if name == "delta_net" else g
+    gates = per_token_inputs(name, g, beta)
+
+    def summarize(a, b):
+      return stream.summarize(k[:, a:b], v[:, a:b], chunk_size=3,
+                              key_value_seq_lengths=np.clip(lengths - a, 0, b - a),
+                              **{n: x[:, a:b] for n, x in gates.items()})
+
+    parts = [summarize(a, b) for a, b in ((0, 4), (4, 9), (9, 13))]
+    whole = summarize(0, 13)
+    left = stream.combine(stream.combine(parts[0], parts[1]), parts[2])
+    right = stream.combine(parts[0], stream.combine(parts[1], parts[2]))
+    _, want_kv = recurrence(q, k, v, log_decay=g_used, beta=beta if delta else None,
+                            lengths=lengths)
+    want_map = span_map(k, log_decay=g_used, beta=beta if delta else None, lengths=lengths)
+    assert type(whole) is (la.DeltaSummary if delta else la.GatedSummary)
+    for got in (left, right, whole):
+      chex.assert_trees_all_close(tuple(got), (want_kv, want_map), atol=1e-10, rtol=1e-10)
+    _, from_initial = recurrence(q, k, v, log_decay=g_used, beta=beta if delta else None,
+                                 initial=initial, lengths=lengths)
+    continued = stream.combine(la.GatedState(jnp.asarray(initial)), whole)
+    assert type(continued) is la.GatedState
+    np.testing.assert_allclose(continued.kv, from_initial, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("name", ["gla", "gated_delta_net"])
+def test_steps_from_the_empty_summary_leave_the_summary_of_their_tokens(name):
+  """``init`` is the identity map; each ``step`` composes one token into it."""
+  spec = la.get_spec(name)
+  stream = spec.streaming
+  q, k, v, g, beta, _ = inputs(T=6, S=6, per_feature=name == "gla")
+  gates = per_token_inputs(name, g, beta)
+  state, outs = stream.init(q, k, v), []
+  for t in range(6):
+    state, out = stream.step(state, q[:, t], k[:, t], v[:, t],
+                             **{n: x[:, t] for n, x in gates.items()})
+    outs.append(out)
+  want_out, _ = recurrence(q, k, v, log_decay=g, beta=beta if name == "gated_delta_net" else None)
+  chex.assert_trees_all_close(jnp.stack(outs, 1), want_out, atol=2e-5, rtol=2e-5)
+  chex.assert_trees_all_close(tuple(state), tuple(stream.summarize(k, v, **gates)),
+                              atol=2e-5, rtol=2e-5)
+
+
+def test_retention_decays_each_head_by_its_fixed_gamma():
+  q, k, v, *_ = inputs()
+  want, _ = recurrence(q, k, v, log_decay=retention_log_decay(*k.shape[:3]))
+  got = la.get_attention("retention", chunk_size=4)(q, k, v, is_causal=True)
+  chex.assert_trees_all_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_registry_entries_take_their_per_token_inputs_by_keyword_and_check_them():
+  q, k, v, g, beta, _ = inputs()
+  with pytest.raises(ValueError, match=r"simple_gla: each call needs .*log_decay \[B, S, K\]"):
+    la.get_attention("simple_gla")(q, k, v, is_causal=True)
+  with pytest.raises(ValueError, match=r"simple_gla: log_decay must have key's shape without its "
+                                       r"last axis H .*\(2, 13, 2, 8\) for key \(2, 13, 2, 8\)"):
+    la.get_attention("simple_gla")(q, k, v, is_causal=True, log_decay=np.zeros(k.shape))
+  with pytest.raises(ValueError, match=r"gla: log_decay must have key's shape .*got \(2, 13, 2\)"):
+    la.get_attention("gla")(q, k, v, is_causal=True, log_decay=g)
+  with pytest.raises(ValueError, match=r"delta_net: .*not taken \['log_decay'\]"):
+    la.get_spec("delta_net").function(q, k, v, is_causal=True, beta=beta, log_decay=g)
+  for name in GATED_NAMES:
+    decay = np.broadcast_to(g[..., None], k.shape) if name == "gla" else g
+    with pytest.raises(ValueError, match="is_causal=False is not supported"):
+      la.get_attention(name)(q, k, v, is_causal=False, **per_token_inputs(name, decay, beta))
+
+
+def test_combine_and_initial_state_name_the_summary_types_and_shapes():
+  spec = la.get_spec("delta_net")
+  q, k, v, _, beta, _ = inputs()
+  summary = spec.streaming.summarize(k, v, beta=beta)
+  gated = la.get_spec("simple_gla").streaming.summarize(k, v, log_decay=np.zeros(k.shape[:3]))
+  with pytest.raises(ValueError, match="combine: .*got GatedSummary and DeltaSummary"):
+    spec.streaming.combine(gated, summary)
+  with pytest.raises(ValueError, match=r"combine: DeltaSummary.transition has shapes"):
+    spec.streaming.combine(summary, summary._replace(transition=summary.transition[..., :3]))
+  with pytest.raises(ValueError, match=r"initial_state must be a DeltaSummary .* or a GatedState"):
+    la.delta_rule_attention(q, k, v, beta, initial_state=gated)
+  with pytest.raises(ValueError, match=r"DeltaSummary.transition has shape \(2, 2, 8, 3\); "
+                                       r"expected \(2, 2, 8, 8\)"):
+    la.delta_rule_attention(q, k, v, beta, initial_state=summary._replace(
+        transition=summary.transition[..., :3]))

@@ -83,6 +83,11 @@ def test_context_parallel_equals_one_device(name, is_causal):
   q, k, v = make_qkv(shape)
   lengths = kv_lengths(shape)
   options = dict(suite_options(spec))
+  if not is_causal and not spec.supports_noncausal:  # A recurrence that is causal only.
+    with pytest.raises(ValueError, match="is_causal=True only"):
+      parallel.context_parallel_attention(q, k, v, attention=name, mesh=mesh(), axis_name="seq",
+                                          is_causal=False, **options)
+    return
   ct = cotangent(jnp.zeros((shape.B, shape.T, shape.N, shape.D)))
   single = spec.build(**options)
   got, got_grads = _value_and_grads(
@@ -94,6 +99,16 @@ def test_context_parallel_equals_one_device(name, is_causal):
       q, k, v, ct)
   _check(spec, got, got_grads, want, want_grads, q, k, v, ct, is_causal=is_causal,
          lengths=lengths, options=options)
+
+
+def test_variants_with_per_token_inputs_are_refused_by_name():
+  """Their gates would have to be split along T with the keys; that is not built yet."""
+  assert "retention" in parallel.recurrent_attentions()  # Fixed decays: no per-token input.
+  assert "simple_gla" not in parallel.recurrent_attentions()
+  q, k, v = make_qkv(SHAPE)
+  with pytest.raises(ValueError, match=r"'simple_gla' takes per-token inputs \['log_decay'\]"):
+    parallel.context_parallel_attention(q, k, v, attention="simple_gla", mesh=mesh(),
+                                        axis_name="seq")
 
 
 @pytest.mark.parametrize("is_causal, load_balance", [(True, True), (True, False),
