@@ -297,7 +297,29 @@ def attention_function(config: Config, case: Case) -> Callable[..., jax.Array]:
     if case.implementation is not None:
       options["implementation"] = case.implementation
     fn = linattn_jax.get_attention(case.variant, **options)
+    names = [name for name, _ in linattn_jax.get_spec(case.variant).extra_inputs]
+    if names:  # Gates and betas arrive positionally after the value (see gate_inputs).
+      fn = _with_named_inputs(fn, names)
   return functools.partial(fn, is_causal=config.causal)
+
+
+def _with_named_inputs(fn: Callable[..., jax.Array], names: Sequence[str]) -> Callable:
+  def call(query, key, value, *inputs, **kwargs):
+    return fn(query, key, value, **dict(zip(names, inputs, strict=True)), **kwargs)
+  return call
+
+
+def gate_inputs(config: Config, case: Case, length: int) -> tuple[jax.Array, ...]:
+  """A variant's per-token inputs, seeded: log-decays ``log σ(x) / 16`` (GLA's scale,
+  about 0.96 per step) and write strengths ``β = σ(x)``, x standard normal."""
+  rng = np.random.default_rng(_SEED + 1)
+  B, K, H = config.batch, config.kv_heads, config.head_dim
+  sizes = {"[B, S, K]": (B, length, K), "[B, S, K, H]": (B, length, K, H)}
+  arrays = []
+  for name, shape in linattn_jax.get_spec(case.variant).extra_inputs:
+    x = jnp.asarray(rng.standard_normal(sizes[shape], np.float32))
+    arrays.append(jax.nn.log_sigmoid(x) / 16 if name == "log_decay" else jax.nn.sigmoid(x))
+  return tuple(arrays)
 
 
 def dense_twin(config: Config, case: Case) -> jax.Array:
@@ -332,6 +354,8 @@ def case_function(config: Config, case: Case, inputs: Inputs) -> tuple[Callable,
   attention = attention_function(config, case)
   qkv = (inputs.query, inputs.key, inputs.value)
   extra = (functools.partial(dense_twin, config, case),) if case.kind == "masked" else ()
+  if case.kind not in ("xla", "masked"):
+    extra = gate_inputs(config, case, case.length)
   if case.mode == "forward":
     return attention, qkv + extra
   return forward_backward(attention), qkv + (inputs.cotangent,) + extra
@@ -350,19 +374,22 @@ def decode_step(config: Config, case: Case, inputs: Inputs) -> tuple[Callable, t
   options = dict(config.options)
   if case.implementation is not None:
     options["implementation"] = case.implementation
+  gates = dict(zip([name for name, _ in spec.extra_inputs],
+                   gate_inputs(config, case, case.length), strict=True))
   prefill = jax.jit(functools.partial(spec.build(**options), is_causal=True, return_state=True))
-  _, state = prefill(inputs.query, inputs.key, inputs.value)
+  _, state = prefill(inputs.query, inputs.key, inputs.value, **gates)
   step = spec.streaming.step
   names = inspect.signature(step).parameters
   step = functools.partial(step, **{k: v for k, v in options.items() if k in names})
   last = tuple(x[:, -1] for x in (inputs.query, inputs.key, inputs.value))
+  last_gates = {name: g[:, -1] for name, g in gates.items()}
 
-  def decode(state, query, key, value):
+  def decode(state, query, key, value, gates):
     def one(state, _):
-      return step(state, query, key, value)
+      return step(state, query, key, value, **gates)
     return jax.lax.scan(one, state, length=DECODE_STEPS)
 
-  return decode, (state,) + last
+  return decode, (state, *last, last_gates)
 
 
 def softmax_flops(batch: int, heads: int, length: int, key_length: int, head_dim: int,

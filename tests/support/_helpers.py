@@ -509,10 +509,12 @@ def oracle_gradients(spec, options, q, k, v, is_causal, lengths, ct, with_sensit
   with jax.enable_x64(True):
     q, k, v, ct = (jnp.asarray(x, jnp.float64) for x in (q, k, v, ct))
     grads, weights = run(q, k, v, lengths, ct)
-    if with_sensitivity and _signed(weights):  # One compile beats thousands of eager ops.
-      sensitivity = jax.jit(lambda *qkv_ct: gradient_sensitivity(
-          spec, what, *qkv_ct[:3], is_causal=is_causal, lengths=lengths, ct=qkv_ct[3]))(
-              q, k, v, ct)
+    if with_sensitivity and _signed(weights):
+      sensitivity = _oracle_program(
+          spec, what, "sensitivity", is_causal,
+          lambda: lambda q, k, v, lengths, ct: gradient_sensitivity(
+              spec, what, q, k, v, is_causal=is_causal, lengths=lengths, ct=ct))(
+                  q, k, v, lengths, ct)
       sensitivity = tuple(np.asarray(x) for x in sensitivity)
     else:
       sensitivity = tuple(np.zeros(g.shape) for g in grads)
