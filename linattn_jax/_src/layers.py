@@ -13,8 +13,9 @@ Decoding (``decode=True`` after ``init_cache``) keeps what the variant needs:
 - ``"window"`` (local): a ring buffer of the last ``left + 1`` keys, the
   variant's ``LocalState``;
 - ``"recurrent"`` (linear maps, linear_learned, performer, random_fourier,
-  efficient, heinsen): the variant's fixed-size state (``[B, K, M, D]`` and
-  its normaliser), whatever the position.
+  efficient, heinsen, and the gated recurrences retention, simple_gla, gla,
+  delta_net, gated_delta_net): the variant's fixed-size state (``[B, K, M, D]``
+  and its normaliser), whatever the position.
 
 A decode call takes a chunk of any length (a prompt) or one token; a prefill
 followed by single steps equals one causal call on the whole sequence.
@@ -54,6 +55,18 @@ _LAYER_OWNED = ("initial_state", "return_state", "is_causal", "key_value_seq_len
 # decodes through its dense [C, C] pattern on a sequence of the cache's capacity C (a
 # compile-time constant of C² bytes): capped here.
 MAX_PATTERN_CAPACITY = 8192
+# The gated recurrences whose per-token inputs the layer projects: variant -> (decay
+# parameterisation, beta). "mamba2": one log-decay per kv head, -exp(A_log) softplus(x W_a +
+# dt_bias); "low_rank": one per key feature, log_sigmoid(x W_1 W_2 + b) / GLA_GATE_NORMALIZER.
+# A variant with beta is a delta rule: its queries and keys are L2-normalised per head.
+_GATED = {
+    "simple_gla": ("mamba2", False),
+    "gla": ("low_rank", False),
+    "delta_net": (None, True),
+    "gated_delta_net": ("mamba2", True),
+}
+GLA_GATE_RANK = 16  # GLA's low-rank gate: W_1 [in, 16], W_2 [16, K·H].
+GLA_GATE_NORMALIZER = 16.0  # GLA divides the log-sigmoid gate by 16: decays near 1.
 
 
 class FeatureProjection(nnx.Variable):
@@ -172,6 +185,27 @@ class MultiHeadAttention(nnx.Module):
   learnable feature map (linear_learned) as ``nnx.Param``; both reach the
   attention function as data, so new values never recompile.
 
+  The gated recurrences get their per-token inputs from the key/value input
+  ``x [B, S, in_kv]`` through gate projections, ``nnx.Param``s computed in
+  float32 (retention has none: its decays are fixed per head):
+
+  - simple_gla, gated_delta_net (Mamba2 / Gated DeltaNet, one gate per kv
+    head): ``log_decay = -exp(A_log) · softplus(x W_a + dt_bias)`` ``[B, S, K]``,
+    with ``a_kernel`` W_a ``[in_kv, K]`` (``kernel_init``), ``A_log [K]`` =
+    log(U(1, 16)) and ``dt_bias [K]`` the inverse softplus of a log-uniform
+    dt in [0.001, 0.1];
+  - gla (one gate per key feature, rank 16): ``log_decay = log_sigmoid(x W_1
+    W_2 + b) / 16`` ``[B, S, K, H]``, with ``gk_kernel_1`` W_1 ``[in_kv, 16]``,
+    ``gk_kernel_2`` W_2 ``[16, K·H]`` (``kernel_init``) and ``gk_bias`` b
+    ``[K·H]`` (``bias_init``);
+  - delta_net, gated_delta_net: ``beta = sigmoid(x W_b)`` ``[B, S, K]`` with
+    ``b_kernel`` W_b ``[in_kv, K]`` (``kernel_init``), and queries and keys
+    L2-normalised per head over H (``q / sqrt(Σ_h q_h² + 1e-6)``) before the
+    delta rule, as the DeltaNet layers do.
+
+  Decoding a gated variant carries its ``[B, K, H, D]`` state; each token's
+  gates come from that token's input.
+
   What a variant cannot honour raises a ``ValueError`` naming the argument
   and the variant: attention dropout, a general ``mask`` and the weights'
   ``sow_weights`` need a variant that forms softmax weights (softmax and the
@@ -218,9 +252,9 @@ class MultiHeadAttention(nnx.Module):
       divisible by K, a ``dropout_rate`` outside [0, 1) or one for a variant
       that forms no weights, ``attention_fn`` with another variant, a
       ``context_parallel`` that is not a ``ContextParallel``, a variant
-      ``context_parallel`` cannot run, or a variant with per-token inputs
-      (``AttentionSpec.extra_inputs``: gates, betas), which the layer does
-      not yet project.
+      ``context_parallel`` cannot run (none with per-token inputs), or a
+      variant with per-token inputs (``AttentionSpec.extra_inputs``) the
+      layer has no gate projections for (any but the gated recurrences above).
 
   Examples:
     >>> layer = nn.MultiHeadAttention(4, 32, attention="linear_elu", rngs=nnx.Rngs(0))
@@ -237,11 +271,25 @@ class MultiHeadAttention(nnx.Module):
     >>> bool(jnp.allclose(jnp.concatenate([prompt, *steps], axis=1), full, atol=1e-5))
     True
 
+    A gated variant projects its gates from the inputs:
+
+    >>> gated = nn.MultiHeadAttention(4, 32, num_kv_heads=2, attention="gated_delta_net",
+    ...                               rngs=nnx.Rngs(0))
+    >>> gated.a_kernel.shape, gated.A_log.shape, gated.b_kernel.shape  # [in, K], [K], [in, K]
+    ((32, 2), (2,), (32, 2))
+    >>> gated(x, is_causal=True).shape
+    (2, 6, 32)
+
   References:
     Vaswani et al., "Attention Is All You Need", 2017. Ainslie et al., "GQA:
     Training Generalized Multi-Query Transformer Models from Multi-Head
     Checkpoints", 2023. Dehghani et al., "Scaling Vision Transformers to 22
-    Billion Parameters", 2023 (normalize_qk).
+    Billion Parameters", 2023 (normalize_qk). Yang et al., "Gated Linear
+    Attention Transformers with Hardware-Efficient Training", 2024 (gla).
+    Dao and Gu, "Transformers are SSMs", 2024 (Mamba2's gate). Yang et al.,
+    "Parallelizing Linear Transformers with the Delta Rule over Sequence
+    Length", 2024 (delta_net). Yang et al., "Gated Delta Networks: Improving
+    Mamba2 with Delta Rule", 2025 (gated_delta_net).
   """
 
   def __init__(
@@ -307,11 +355,14 @@ class MultiHeadAttention(nnx.Module):
     self.use_bias, self.normalize_qk = use_bias, normalize_qk
     self.attention = attention
     self._spec = spec = get_spec(attention)  # Resolved once; the layer asks it, not the name.
-    if spec.extra_inputs:
+    self._gated = _GATED.get(attention) if spec.extra_inputs else None
+    if spec.extra_inputs and (self._gated is None or _gate_names(self._gated) != sorted(
+        name for name, _ in spec.extra_inputs)):
       inputs = ", ".join(f"{name} {shape}" for name, shape in spec.extra_inputs)
       raise ValueError(f"{fn}: attention={attention!r} needs per-token inputs ({inputs}) "
-                       "that this layer does not yet compute (it has no gate projections); "
-                       "call the function with them instead.")
+                       "that this layer does not compute (it has no gate projections for "
+                       f"them; it has for {sorted(_GATED)}); call the function with them "
+                       "instead.")
     self.attention_options = _check_attention_options(spec, attention_options or {})
     if attention_fn is not None and (attention != "softmax" or self.attention_options):
       raise ValueError(f"{fn}: attention_fn replaces the registered attention; it cannot be "
@@ -358,6 +409,8 @@ class MultiHeadAttention(nnx.Module):
       kind = nnx.Param if spec.params.trainable else FeatureProjection
       for name, array in self._draw(rngs.params()).items():
         setattr(self, name, kind(array.astype(param_dtype)))
+    if self._gated is not None:
+      self._init_gates(rngs, kernel_init, bias_init)
     self.rngs = rngs.dropout.fork() if keep_rngs and dropout_rate > 0 else None
     self.cache = nnx.data(None)
     self.cache_batch_shape: tuple[int, ...] = ()
@@ -368,6 +421,50 @@ class MultiHeadAttention(nnx.Module):
     spec = self._spec
     return dict(spec.params.init(rng, self.head_dim,
                                  **accepted(spec.params.init, self.attention_options)))
+
+  def _init_gates(self, rngs: nnx.Rngs, kernel_init: Initializer,
+                  bias_init: Initializer) -> None:
+    """The gate projections' ``nnx.Param``s (see the class docstring)."""
+    decay, beta = self._gated
+    F, K, H, dtype = self.in_kv_features, self.num_kv_heads, self.head_dim, self.param_dtype
+    if decay == "mamba2":
+      self.a_kernel = nnx.Param(kernel_init(rngs.params(), (F, K), dtype))
+      self.A_log = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (K,), jnp.float32,
+                                                        1.0, 16.0)).astype(dtype))
+      dt = jnp.exp(jax.random.uniform(rngs.params(), (K,), jnp.float32,
+                                      math.log(1e-3), math.log(1e-1)))
+      # Inverse softplus: softplus(dt_bias) = dt.
+      self.dt_bias = nnx.Param((dt + jnp.log(-jnp.expm1(-dt))).astype(dtype))
+    elif decay == "low_rank":
+      self.gk_kernel_1 = nnx.Param(kernel_init(rngs.params(), (F, GLA_GATE_RANK), dtype))
+      self.gk_kernel_2 = nnx.Param(kernel_init(rngs.params(), (GLA_GATE_RANK, K * H), dtype))
+      self.gk_bias = nnx.Param(bias_init(rngs.params(), (K * H,), dtype))
+    if beta:
+      self.b_kernel = nnx.Param(kernel_init(rngs.params(), (F, K), dtype))
+
+  def _gates(self, x: jax.Array) -> dict[str, jax.Array]:
+    """A gated variant's per-token inputs from the key/value input ``x [..., S, in_kv]``:
+    ``log_decay [..., S, K]`` (``[..., S, K, H]`` for gla) ≤ 0 and ``beta [..., S, K]`` in
+    (0, 1), float32; ``{}`` for other variants."""
+    if self._gated is None:
+      return {}
+    decay, beta = self._gated
+    f32 = jnp.float32
+    x = jnp.asarray(x, f32)
+    param = lambda name: getattr(self, name).get_value().astype(f32)  # noqa: E731
+    per_row = lambda a: a.reshape((1,) * (x.ndim - 1) + a.shape)  # noqa: E731  [K] -> [1.., K]
+    dot = lambda a, b: jnp.matmul(a, b, precision=self.precision)  # noqa: E731
+    gates = {}
+    if decay == "mamba2":
+      dt = jax.nn.softplus(dot(x, param("a_kernel")) + per_row(param("dt_bias")))
+      gates["log_decay"] = -jnp.exp(per_row(param("A_log"))) * dt
+    elif decay == "low_rank":
+      logit = dot(dot(x, param("gk_kernel_1")), param("gk_kernel_2")) + per_row(param("gk_bias"))
+      gates["log_decay"] = (jax.nn.log_sigmoid(logit) / GLA_GATE_NORMALIZER).reshape(
+          x.shape[:-1] + (self.num_kv_heads, self.head_dim))
+    if beta:
+      gates["beta"] = jax.nn.sigmoid(dot(x, param("b_kernel")))
+    return gates
 
   def redraw(self, rng: jax.Array) -> None:
     """Draws the random projection anew from ``rng`` (same rng, same projection).
@@ -457,6 +554,9 @@ class MultiHeadAttention(nnx.Module):
     v = self.value(inputs_v, out_sharding=qkv_sharding)
     if self.normalize_qk:
       q, k = self.query_ln(q), self.key_ln(k)
+    if self._gated is not None and self._gated[1]:  # A delta rule: unit queries and keys.
+      q, k = _l2_normalize(q), _l2_normalize(k)
+    gates = {name: _flat(x, batch) for name, x in self._gates(inputs_k).items()}
     decode = bool(self.decode) if decode is None else decode
     dropout_rng = self._dropout_rng(deterministic, rngs)
     if self.attention_fn is not None:
@@ -472,13 +572,14 @@ class MultiHeadAttention(nnx.Module):
       if dropout_rng is not None or sow_weights:
         raise ValueError(f"{fn}: decoding forms no weights to drop or sow; call it with "
                          "deterministic=True and sow_weights=False.")
-      out = self._decode(*(_flat(x, batch) for x in (q, k, v)), mask=_flat_mask(mask, batch))
+      out = self._decode(*(_flat(x, batch) for x in (q, k, v)), mask=_flat_mask(mask, batch),
+                         gates=gates)
     else:
       out = self._attend(*(_flat(x, batch) for x in (q, k, v)), mask=_flat_mask(mask, batch),
                          is_causal=bool(is_causal), dropout_rng=dropout_rng,
                          lengths=None if key_value_seq_lengths is None else jnp.reshape(
                              jnp.asarray(key_value_seq_lengths), (-1,)),
-                         sow_as=batch if sow_weights else None)
+                         sow_as=batch if sow_weights else None, gates=gates)
     if self.attention_fn is None:
       out = out.reshape(batch + out.shape[1:])
     return self.out(out, out_sharding=out_sharding)
@@ -503,8 +604,9 @@ class MultiHeadAttention(nnx.Module):
 
   def _attend(self, q: jax.Array, k: jax.Array, v: jax.Array, *, mask: jax.Array | None,
               is_causal: bool, dropout_rng: jax.Array | None, lengths: jax.Array | None,
-              sow_as: tuple[int, ...] | None) -> jax.Array:
-    """One call on ``[B, T, N, H]`` arrays: the variant, or the weights when needed."""
+              sow_as: tuple[int, ...] | None, gates: Mapping[str, jax.Array]) -> jax.Array:
+    """One call on ``[B, T, N, H]`` arrays: the variant, or the weights when needed; ``gates``
+    (a gated variant's ``[B, S, K(, H)]`` inputs) go to the function by name."""
     spec, options, fn = self._spec, self._options(), "MultiHeadAttention"
     general = mask is not None or dropout_rng is not None or sow_as is not None
     if general and self.context_parallel is not None:
@@ -528,7 +630,7 @@ class MultiHeadAttention(nnx.Module):
       return self.context_parallel.attend(self.attention, q, k, v, is_causal=is_causal,
                                           key_value_seq_lengths=lengths, **options)
     return spec.function(q, k, v, is_causal=is_causal, key_value_seq_lengths=lengths,
-                         **options)
+                         **options, **gates)
 
   def _softmax_weights(self, q, k, v, *, mask, is_causal, dropout_rng, lengths,
                        sow_as) -> jax.Array:
@@ -679,7 +781,7 @@ class MultiHeadAttention(nnx.Module):
     return self._kv_view("index")
 
   def _decode(self, q: jax.Array, k: jax.Array, v: jax.Array, *,
-              mask: jax.Array | None) -> jax.Array:
+              mask: jax.Array | None, gates: Mapping[str, jax.Array]) -> jax.Array:
     cache = self._cache_or_raise()
     _check_cache_fits(self, k, type(cache))
     if isinstance(cache, KVCache):
@@ -688,9 +790,20 @@ class MultiHeadAttention(nnx.Module):
       if mask is not None:
         raise ValueError(f"MultiHeadAttention: attention={self.attention!r} decodes from a "
                          "state and cannot honour a `mask`.")
-      cache, out = _state_decode(self._spec, cache, q, k, v, self._options())
+      cache, out = _state_decode(self._spec, cache, q, k, v, self._options(), gates)
     self.cache.set_value(cache)
     return out
+
+
+def _gate_names(gated: tuple[str | None, bool]) -> list[str]:
+  decay, beta = gated
+  return sorted((["log_decay"] if decay else []) + (["beta"] if beta else []))
+
+
+def _l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+  """``x / sqrt(Σ_h x_h² + eps)`` over the last axis H, computed in float32."""
+  x32 = x.astype(jnp.float32)
+  return (x32 * lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
 
 
 def _flat(x: jax.Array, batch: tuple[int, ...]) -> jax.Array:
@@ -905,9 +1018,12 @@ def _pattern_rows(spec: AttentionSpec, C: int, index: jax.Array, T: int,
   return lax.dynamic_slice_in_dim(dense_, index, T, axis=-2)
 
 
-def _state_decode(spec: AttentionSpec, cache: StateCache, q, k, v,
-                  options: Mapping[str, Any]) -> tuple[StateCache, jax.Array]:
+def _state_decode(spec: AttentionSpec, cache: StateCache, q, k, v, options: Mapping[str, Any],
+                  gates: Mapping[str, jax.Array]) -> tuple[StateCache, jax.Array]:
   """Advances a streaming state by T positions: one step, a stateful pass, or a scan.
+
+  ``gates``: a gated variant's per-token inputs ``[B, T, K(, H)]``; a step takes
+  each token's ``[B, K(, H)]``.
 
   A ring buffer holds keys and values in the cache's dtype: the chunk is
   attended in that dtype and the output cast back to the inputs'.
@@ -920,10 +1036,13 @@ def _state_decode(spec: AttentionSpec, cache: StateCache, q, k, v,
     q, k, v = (x.astype(jax.tree.leaves(cache.state)[0].dtype) for x in (q, k, v))
 
   def steps(state):
-    def body(state, qkv):
-      return streaming.step(state, *qkv, **step_options)
+    def body(state, xs):
+      qkv, token_gates = xs
+      return streaming.step(state, *qkv, **step_options, **token_gates)
 
-    state, out = lax.scan(body, state, tuple(x.swapaxes(0, 1) for x in (q, k, v)))
+    xs = (tuple(x.swapaxes(0, 1) for x in (q, k, v)),
+          {name: x.swapaxes(0, 1) for name, x in gates.items()})
+    state, out = lax.scan(body, state, xs)
     return state, out.swapaxes(0, 1)
 
   def cast_like(state, like):
@@ -933,7 +1052,7 @@ def _state_decode(spec: AttentionSpec, cache: StateCache, q, k, v,
     state, out = steps(cache.state)
   elif spec.cache_kind is CacheKind.RECURRENT:
     out, state = spec.function(q, k, v, is_causal=True, initial_state=cache.state,
-                               return_state=True, **options)
+                               return_state=True, **options, **gates)
   else:  # A ring buffer: a prompt from position 0 is one blocked pass, later chunks scan.
     def fresh(state):
       out, new = spec.function(q, k, v, is_causal=True, return_state=True, **options)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -13,23 +14,91 @@ from flax import linen, nnx
 
 import linattn_jax as la
 from linattn_jax import nn
+from linattn_jax._src import layers
 from linattn_jax._src.registry import get_spec
 
 B, T, IN, N, K = 2, 11, 16, 4, 2  # GQA: two query heads per key/value head.
 # A prompt, a step, a second chunk at a later position, then steps: every decode path.
 PIECES = (5, 1, 3, 1, 1)
-# Variants with per-token inputs (gates, betas) are left out: the layer does not yet project
-# them, and says so (test_a_variant_needing_per_token_inputs_is_refused_by_the_layer).
-CAUSAL = [name for name in la.available_attentions()
-          if get_spec(name).supports_causal and not get_spec(name).extra_inputs]
+CAUSAL = [name for name in la.available_attentions() if get_spec(name).supports_causal]
 GATED = [name for name in la.available_attentions() if get_spec(name).extra_inputs]
+# The gate parameters each gated variant's layer declares: name -> shape (H = IN // N).
+GATE_PARAMS = {
+    "simple_gla": {"a_kernel": (IN, K), "A_log": (K,), "dt_bias": (K,)},
+    "gla": {"gk_kernel_1": (IN, 16), "gk_kernel_2": (16, K * (IN // N)),
+            "gk_bias": (K * (IN // N),)},
+    "delta_net": {"b_kernel": (IN, K)},
+    "gated_delta_net": {"a_kernel": (IN, K), "A_log": (K,), "dt_bias": (K,),
+                        "b_kernel": (IN, K)},
+}
+
+
+def test_a_variant_with_per_token_inputs_the_layer_cannot_project_is_refused(monkeypatch):
+  """A registered variant with inputs the layer has no gate projections for is named."""
+  custom = dataclasses.replace(get_spec("simple_gla"), name="custom_gated")
+  monkeypatch.setattr(layers, "get_spec", lambda name: custom)
+  with pytest.raises(ValueError, match=r"attention='custom_gated' needs per-token inputs "
+                     r"\(log_decay \[B, S, K\]\) that this layer does not compute"):
+    nn.MultiHeadAttention(N, IN, num_kv_heads=K, attention="custom_gated", rngs=nnx.Rngs(0))
 
 
 @pytest.mark.parametrize("name", GATED)
-def test_a_variant_needing_per_token_inputs_is_refused_by_the_layer(name):
-  inputs = [input_name for input_name, _ in get_spec(name).extra_inputs]
-  with pytest.raises(ValueError, match=rf"attention='{name}' needs per-token inputs \({inputs[0]}"):
-    nn.MultiHeadAttention(N, IN, num_kv_heads=K, attention=name, rngs=nnx.Rngs(0))
+def test_gate_parameters_and_the_gates_they_make(name, monkeypatch):
+  """Each gated variant declares its papers' gate parameters; the function gets log_decay ≤ 0
+  and beta in (0, 1) from the key/value input, one per key (per key feature for gla)."""
+  layer = _layer(name)
+  params = nnx.state(layer, nnx.Param)
+  gate_params = {k: tuple(v.get_value().shape) for k, v in params.items()
+                 if k not in ("query", "key", "value", "out")}
+  assert gate_params == GATE_PARAMS[name]
+  if "A_log" in gate_params:  # exp(A_log) in [1, 16]; softplus(dt_bias) in [0.001, 0.1].
+    assert np.all((np.exp(layer.A_log.get_value()) >= 1) & (np.exp(layer.A_log.get_value()) <= 16))
+    dt = np.asarray(jax.nn.softplus(layer.dt_bias.get_value()))
+    assert np.all((dt >= 1e-3 * (1 - 1e-5)) & (dt <= 1e-1 * (1 + 1e-5)))
+  x = jax.random.normal(jax.random.key(12), (B, T, IN))
+  grads = nnx.grad(lambda m: jnp.sum(m(x, is_causal=True) ** 2))(layer)
+  for param in GATE_PARAMS[name]:  # The gates are trained with the layer.
+    assert np.abs(grads[param].get_value()).sum() > 0, param
+  seen = {}
+
+  def capture(*args, **kwargs):
+    seen.update({n: kwargs[n] for n, _ in spec.extra_inputs})
+    return spec.function(*args, **kwargs)
+
+  spec = get_spec(name)
+  monkeypatch.setattr(layer, "_spec", dataclasses.replace(spec, function=capture))
+  S = 7
+  x_q = jax.random.normal(jax.random.key(9), (B, 5, IN))
+  x_kv = 3 * jax.random.normal(jax.random.key(10), (B, S, IN))  # Cross: gates from x_kv.
+  layer(x_q, x_kv, is_causal=True)
+  assert sorted(seen) == sorted(n for n, _ in spec.extra_inputs)
+  H = IN // N
+  if "log_decay" in seen:
+    g = np.asarray(seen["log_decay"])
+    assert g.shape == ((B, S, K, H) if name == "gla" else (B, S, K))
+    assert np.all(g <= 0) and np.all(np.isfinite(g)) and np.any(g < 0)
+    if "A_log" in gate_params:  # -exp(A_log) softplus(x W_a + dt_bias), recomputed.
+      want = -np.exp(layer.A_log.get_value())[None, None] * jax.nn.softplus(
+          x_kv @ layer.a_kernel.get_value() + layer.dt_bias.get_value()[None, None])
+      np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-7)
+  if "beta" in seen:
+    beta = np.asarray(seen["beta"])
+    assert beta.shape == (B, S, K) and np.all((beta > 0) & (beta < 1))
+    np.testing.assert_allclose(beta, jax.nn.sigmoid(x_kv @ layer.b_kernel.get_value()),
+                               rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", ["delta_net", "gated_delta_net"])
+def test_delta_variants_normalise_queries_and_keys(name):
+  """The delta rule sees unit queries and keys: scaling the query and key projections
+  leaves the output as it was (unnormalised, a key of norm 10 overshoots the state)."""
+  layer = _layer(name)
+  x = jax.random.normal(jax.random.key(11), (B, T, IN))
+  want = _full(layer, x)
+  for projection, factor in ((layer.query, 3.0), (layer.key, 10.0)):
+    projection.kernel.set_value(projection.kernel.get_value() * factor)
+    projection.bias.set_value(projection.bias.get_value() * factor)
+  np.testing.assert_allclose(_full(layer, x), want, atol=2e-5, rtol=2e-5)
 
 
 def _options(name: str) -> dict:
