@@ -313,11 +313,11 @@ def gate_inputs(config: Config, case: Case, length: int) -> tuple[jax.Array, ...
   """A variant's per-token inputs, seeded: log-decays ``log σ(x) / 16`` (GLA's scale,
   about 0.96 per step) and write strengths ``β = σ(x)``, x standard normal."""
   rng = np.random.default_rng(_SEED + 1)
-  B, K, H = config.batch, config.kv_heads, config.head_dim
-  sizes = {"[B, S, K]": (B, length, K), "[B, S, K, H]": (B, length, K, H)}
+  shapes = linattn_jax.get_spec(case.variant).extra_input_shapes(
+      (config.batch, length, config.kv_heads, config.head_dim))
   arrays = []
-  for name, shape in linattn_jax.get_spec(case.variant).extra_inputs:
-    x = jnp.asarray(rng.standard_normal(sizes[shape], np.float32))
+  for name, shape in shapes.items():
+    x = jnp.asarray(rng.standard_normal(shape, np.float32))
     arrays.append(jax.nn.log_sigmoid(x) / 16 if name == "log_decay" else jax.nn.sigmoid(x))
   return tuple(arrays)
 

@@ -55,16 +55,12 @@ _LAYER_OWNED = ("initial_state", "return_state", "is_causal", "key_value_seq_len
 # decodes through its dense [C, C] pattern on a sequence of the cache's capacity C (a
 # compile-time constant of C² bytes): capped here.
 MAX_PATTERN_CAPACITY = 8192
-# The gated recurrences whose per-token inputs the layer projects: variant -> (decay
-# parameterisation, beta). "mamba2": one log-decay per kv head, -exp(A_log) softplus(x W_a +
-# dt_bias); "low_rank": one per key feature, log_sigmoid(x W_1 W_2 + b) / GLA_GATE_NORMALIZER.
-# A variant with beta is a delta rule: its queries and keys are L2-normalised per head.
-_GATED = {
-    "simple_gla": ("mamba2", False),
-    "gla": ("low_rank", False),
-    "delta_net": (None, True),
-    "gated_delta_net": ("mamba2", True),
-}
+# How the layer projects a gated recurrence's per-token inputs, read off the spec's
+# extra_inputs: a log-decay per kv head gets Mamba2's parameterisation, -exp(A_log)
+# softplus(x W_a + dt_bias); one per key feature GLA's low-rank gate, log_sigmoid(x W_1 W_2 +
+# b) / GLA_GATE_NORMALIZER. A variant taking a beta is a delta rule: its queries and keys
+# are L2-normalised per head.
+_DECAY_PROJECTIONS = {"[B, S, K]": "mamba2", "[B, S, K, H]": "low_rank"}
 GLA_GATE_RANK = 16  # GLA's low-rank gate: W_1 [in, 16], W_2 [16, K·H].
 GLA_GATE_NORMALIZER = 16.0  # GLA divides the log-sigmoid gate by 16: decays near 1.
 
@@ -355,14 +351,7 @@ class MultiHeadAttention(nnx.Module):
     self.use_bias, self.normalize_qk = use_bias, normalize_qk
     self.attention = attention
     self._spec = spec = get_spec(attention)  # Resolved once; the layer asks it, not the name.
-    self._gated = _GATED.get(attention) if spec.extra_inputs else None
-    if spec.extra_inputs and (self._gated is None or _gate_names(self._gated) != sorted(
-        name for name, _ in spec.extra_inputs)):
-      inputs = ", ".join(f"{name} {shape}" for name, shape in spec.extra_inputs)
-      raise ValueError(f"{fn}: attention={attention!r} needs per-token inputs ({inputs}) "
-                       "that this layer does not compute (it has no gate projections for "
-                       f"them; it has for {sorted(_GATED)}); call the function with them "
-                       "instead.")
+    self._gated = _gate_projections(spec, fn)
     self.attention_options = _check_attention_options(spec, attention_options or {})
     if attention_fn is not None and (attention != "softmax" or self.attention_options):
       raise ValueError(f"{fn}: attention_fn replaces the registered attention; it cannot be "
@@ -795,9 +784,19 @@ class MultiHeadAttention(nnx.Module):
     return out
 
 
-def _gate_names(gated: tuple[str | None, bool]) -> list[str]:
-  decay, beta = gated
-  return sorted((["log_decay"] if decay else []) + (["beta"] if beta else []))
+def _gate_projections(spec: AttentionSpec, fn: str) -> tuple[str | None, bool] | None:
+  """``(decay projection or None, beta)`` for a variant with per-token inputs (None
+  without): what the layer projects, from the names and shapes ``spec`` declares."""
+  if not spec.extra_inputs:
+    return None
+  inputs = dict(spec.extra_inputs)
+  if (set(inputs) - {"log_decay", "beta"} or inputs.get("beta", "[B, S, K]") != "[B, S, K]"
+      or inputs.get("log_decay", "[B, S, K]") not in _DECAY_PROJECTIONS):
+    given = ", ".join(f"{name} {shape}" for name, shape in spec.extra_inputs)
+    raise ValueError(f"{fn}: attention={spec.name!r} needs per-token inputs ({given}) that "
+                     "this layer has no projection for (it projects log_decay [B, S, K] or "
+                     "[B, S, K, H] and beta [B, S, K]); call the function with them instead.")
+  return _DECAY_PROJECTIONS.get(inputs.get("log_decay")), "beta" in inputs
 
 
 def _l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:

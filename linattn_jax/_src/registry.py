@@ -16,7 +16,7 @@ import dataclasses
 import enum
 import functools
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import jax
@@ -290,6 +290,20 @@ class AttentionSpec:
       return CacheKind.KV
     return CacheKind.RECURRENT if self.streaming.state_passing else CacheKind.WINDOW
 
+  def extra_input_shapes(self, key_shape: Sequence[int]) -> dict[str, tuple[int, ...]]:
+    """The shape of each of ``extra_inputs`` for a key of shape ``key_shape``
+    (``[B, S, K, H]``, or ``[B, K, H]`` for one token).
+
+    >>> la.get_spec("gated_delta_net").extra_input_shapes((2, 16, 4, 8))
+    {'beta': (2, 16, 4), 'log_decay': (2, 16, 4)}
+    """
+    unknown = [shape for _, shape in self.extra_inputs if shape not in _EXTRA_INPUT_SHAPES]
+    if unknown:
+      raise ValueError(f"{self.name}: extra input shapes {unknown} are not among "
+                       f"{sorted(_EXTRA_INPUT_SHAPES)}.")
+    key_shape = tuple(key_shape)
+    return {name: _EXTRA_INPUT_SHAPES[shape](key_shape) for name, shape in self.extra_inputs}
+
   def build(self, **options: Any) -> AttentionFn:
     """The function with ``options`` bound, after checking their names."""
     inputs = dict(self.extra_inputs)
@@ -318,6 +332,12 @@ class AttentionSpec:
 
 
 _UNIFORM = ("is_causal", "key_value_seq_lengths")
+# The shapes an extra input may have, from the key's ``[B, S, K, H]``: one per head or
+# one per key feature.
+_EXTRA_INPUT_SHAPES: dict[str, Callable[[tuple[int, ...]], tuple[int, ...]]] = {
+    "[B, S, K]": lambda key_shape: key_shape[:-1],
+    "[B, S, K, H]": lambda key_shape: key_shape,
+}
 _REGISTRY: dict[str, AttentionSpec] = {}
 
 

@@ -33,12 +33,19 @@ GATE_PARAMS = {
 }
 
 
-def test_a_variant_with_per_token_inputs_the_layer_cannot_project_is_refused(monkeypatch):
-  """A registered variant with inputs the layer has no gate projections for is named."""
+def test_gate_projections_follow_the_declared_inputs_and_others_are_refused(monkeypatch):
+  """The layer reads what to project off the spec's extra_inputs: a new variant declaring a
+  per-head log_decay gets the Mamba2 gate; an input it has no projection for is named."""
   custom = dataclasses.replace(get_spec("simple_gla"), name="custom_gated")
   monkeypatch.setattr(layers, "get_spec", lambda name: custom)
+  layer = nn.MultiHeadAttention(N, IN, num_kv_heads=K, attention="custom_gated",
+                                rngs=nnx.Rngs(0))
+  assert {"a_kernel", "A_log", "dt_bias"} <= set(nnx.state(layer, nnx.Param))
+  custom = dataclasses.replace(custom, extra_inputs=(("log_decay", "[B, S, K]"),
+                                                     ("alpha", "[B, S, K]")))
   with pytest.raises(ValueError, match=r"attention='custom_gated' needs per-token inputs "
-                     r"\(log_decay \[B, S, K\]\) that this layer does not compute"):
+                     r"\(log_decay \[B, S, K\], alpha \[B, S, K\]\) that this layer has no "
+                     r"projection for"):
     nn.MultiHeadAttention(N, IN, num_kv_heads=K, attention="custom_gated", rngs=nnx.Rngs(0))
 
 

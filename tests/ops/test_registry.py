@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax.numpy as jnp
@@ -79,6 +80,11 @@ def test_a_spec_names_its_extra_per_token_inputs_and_calls_without_them_fail():
     fn(x, x, x)
   with pytest.raises(ValueError, match="log_decay.*passed at call time"):
     spec.build(log_decay=jnp.zeros((1, 4, 2)))
+  assert la.get_spec("gla").extra_input_shapes(x.shape) == {"log_decay": (1, 4, 2, 3)}
+  assert spec.extra_input_shapes(x.shape) == {"log_decay": (1, 4, 2)}
+  odd = dataclasses.replace(spec, extra_inputs=(("log_decay", "[B, S]"),))
+  with pytest.raises(ValueError, match=r"gated_example: extra input shapes \['\[B, S\]'\]"):
+    odd.extra_input_shapes(x.shape)
 
 
 def test_a_registered_variant_joins_the_shared_suite_with_its_defaults(monkeypatch):
