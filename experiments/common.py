@@ -9,9 +9,10 @@ from __future__ import annotations
 import json
 import logging
 import pathlib
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from absl import flags
+from absl import app, flags
 
 import linattn_jax as la
 
@@ -51,6 +52,19 @@ def _registered(entries: list[str] | None) -> bool:
 OPTIONS_BY_ATTENTION = flags.DEFINE_string(
     "options_by_attention", None, "JSON object {variant (or compare entry): {option: value}}. "
     "Default: the script's own options.")
+
+
+def run(main: Callable[[Sequence[str]], None]) -> None:
+  """``app.run(main)``, except that a bad value ``main`` finds (``app.UsageError``) stops the
+  script with one line and a pointer to the help, as absl's own flag errors do, not with the
+  whole flag list."""
+  def main_in_one_line(argv: Sequence[str]) -> None:
+    try:
+      main(argv)
+    except app.UsageError as e:
+      raise SystemExit(f"Error: {e}\n"
+                       "Pass --helpshort or --helpfull to see help on flags.") from None
+  app.run(main_in_one_line)
 
 
 def value_dim() -> int:

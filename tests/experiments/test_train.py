@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
 import json
 import logging
 import os
 import pathlib
+import re
 import shutil
 import signal
 import subprocess
@@ -17,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from absl import app
+from absl import app, flags
 
 from experiments import data, train
 
@@ -84,6 +87,11 @@ def test_listops_labels():
   assert batch["lengths"].max() <= 64 and set(batch["targets"]) <= set(range(10))
 
 
+# The suite's host devices for a subprocess (conftest sets them in-process only).
+_DEVICES_OF_THE_SUITE = {"XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} "
+                                      f"--xla_force_host_platform_device_count=8"}
+
+
 def _run(*flags_, env=None, wait=True):
   command = [sys.executable, "-m", "experiments.train", *flags_]
   env = dict(os.environ, **(env or {}))
@@ -102,12 +110,12 @@ def _assert_same_final_params(workdir: pathlib.Path, other: pathlib.Path) -> Non
 
 
 def test_a_killed_run_resumes_to_the_same_parameters(tmp_path):
-  flags_ = TINY_FLAGS + ["--num_steps=40", "--checkpoint_every=5", "--log_every=5",
-                         "--eval_every=40", "--sample_length=0"]
-  whole = _run(*flags_, f"--workdir={tmp_path / 'whole'}")
-  assert whole.returncode == 0, whole.stderr[-2000:]
+  """A run killed by SIGKILL (a subprocess) resumes, here in-process, to the parameters of
+  an uninterrupted run. All three see the suite's 8 host devices and XLA flags."""
+  changes = dict(num_steps=40, checkpoint_every=5, log_every=5, eval_every=40, sample_length=0)
+  flags_ = TINY_FLAGS + [f"--{k}={v}" for k, v in changes.items()]
   killed = tmp_path / "killed"
-  process = _run(*flags_, f"--workdir={killed}", wait=False)
+  process = _run(*flags_, f"--workdir={killed}", wait=False, env=_DEVICES_OF_THE_SUITE)
   deadline = time.time() + 240
   while not (killed / "checkpoints" / "10").exists():  # Two checkpoints in, still running.
     assert process.poll() is None and time.time() < deadline, "the run ended before the kill"
@@ -115,9 +123,11 @@ def test_a_killed_run_resumes_to_the_same_parameters(tmp_path):
   process.send_signal(signal.SIGKILL)
   process.wait()
   assert not (killed / "summary.json").exists()
-  resumed = _run(*flags_, f"--workdir={killed}")
-  assert resumed.returncode == 0, resumed.stderr[-2000:]
-  assert "resumed from the checkpoint at step" in resumed.stdout
+  train.train(_config(tmp_path / "whole", **changes))
+  resumed = io.StringIO()
+  with contextlib.redirect_stdout(resumed):
+    train.train(_config(killed, **changes))
+  assert "resumed from the checkpoint at step" in resumed.getvalue()
   _assert_same_final_params(killed, tmp_path / "whole")
   steps = [json.loads(line)["step"] for line in (killed / "metrics.jsonl").read_text().splitlines()]
   assert steps == sorted(set(steps))  # No step logged twice across the kill.
@@ -170,18 +180,20 @@ def test_a_diverging_run_stops_without_saving_non_finite_parameters(tmp_path):
   assert not (tmp_path / "summary.json").exists()
 
 
-def test_four_devices_give_the_losses_of_one(tmp_path):
-  flags_ = TINY_FLAGS + ["--num_steps=4", "--batch_size=8", "--sample_length=0"]
-  losses = []
-  for devices in (1, 4):
-    out = tmp_path / str(devices)
-    result = _run(*flags_, f"--workdir={out}", env={
-        "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} "
-                     f"--xla_force_host_platform_device_count={devices}"})
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert f"{devices} cpu device(s)" in result.stdout
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    losses.append([r["train_loss"] for r in records])
+def test_eight_devices_give_the_losses_of_one(tmp_path):
+  """The batch sharded over the suite's 8 host devices (in-process) gives the losses of one
+  device (a subprocess)."""
+  changes = dict(num_steps=4, batch_size=8, sample_length=0)
+  one = tmp_path / "1"
+  result = _run(*TINY_FLAGS, *[f"--{k}={v}" for k, v in changes.items()], f"--workdir={one}",
+                env={"XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} "
+                                  "--xla_force_host_platform_device_count=1"})
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert "1 cpu device(s)" in result.stdout
+  train.train(_config(tmp_path / "8", **changes))
+  losses = [[json.loads(line)["train_loss"]
+             for line in (out / "metrics.jsonl").read_text().splitlines()]
+            for out in (one, tmp_path / "8")]
   np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
 
 
@@ -201,6 +213,17 @@ def test_context_parallel_training_gives_the_losses_of_data_parallel(tmp_path, a
   np.testing.assert_allclose(losses[4], losses[1], rtol=1e-5)
 
 
+@pytest.fixture
+def parse_flags():
+  """``parse_flags(*argv)`` sets the flags as ``python -m experiments.train *argv`` would;
+  they are reset afterwards."""
+  def parse(*argv):
+    flags.FLAGS.unparse_flags()
+    flags.FLAGS(["train", *argv])
+  yield parse
+  flags.FLAGS.unparse_flags()
+
+
 @pytest.mark.parametrize("flag, message", [
     ("--attention=nope", "--attention='nope' is unknown"),
     ("--task=nope", "--task"),
@@ -208,23 +231,29 @@ def test_context_parallel_training_gives_the_losses_of_data_parallel(tmp_path, a
     ("--attention_options=window_size=4", "unknown option `window_size`"),
     ("--model_dim=0", "--model_dim must be positive"),
     ("--redraw_every=5", "--redraw_every applies to random-feature attentions"),
-    ("--context_parallel=2", "--context_parallel=2 must divide the 1 local devices"),
+    ("--context_parallel=3", "--context_parallel=3 must divide the 8 local devices"),
     ("--task=listops --short_conv=2", "--short_conv is causal"),
 ])
-def test_bad_flags_fail_with_one_line_naming_them(tmp_path, flag, message):
-  result = _run(*TINY_FLAGS, *flag.split(), f"--workdir={tmp_path / 'w'}")
-  assert result.returncode != 0
-  assert message in result.stderr
-  assert not (tmp_path / "w").exists()  # Nothing written.
+def test_bad_flags_are_refused_naming_them(parse_flags, flag, message):
+  with pytest.raises((app.UsageError, flags.IllegalFlagValueError), match=re.escape(message)):
+    parse_flags(*TINY_FLAGS, *flag.split())
+    train.config_from_flags()
+
+
+def test_a_bad_flag_fails_the_run_with_one_line_and_writes_nothing(tmp_path):
+  result = _run(*TINY_FLAGS, "--model_dim=0", f"--workdir={tmp_path / 'w'}")
+  assert result.returncode == 1
+  assert result.stderr.strip().splitlines() == [  # Not the whole flag list.
+      "Error: --model_dim must be positive; got 0.",
+      "Pass --helpshort or --helpfull to see help on flags."], result.stderr
+  assert not (tmp_path / "w").exists()
 
 
 def test_a_workdir_of_another_configuration_is_left_alone(tmp_path):
-  first = _run(*TINY_FLAGS, "--num_steps=2", "--sample_length=0", f"--workdir={tmp_path}")
-  assert first.returncode == 0, first.stderr[-2000:]
+  train.train(_config(tmp_path, num_steps=2, sample_length=0))
   before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
-  other = _run(*TINY_FLAGS, "--num_steps=2", "--model_dim=32", f"--workdir={tmp_path}")
-  assert other.returncode != 0
-  assert "holds a run with other settings (model_dim" in other.stderr
+  with pytest.raises(app.UsageError, match=r"holds a run with other settings \(model_dim"):
+    train.train(_config(tmp_path, num_steps=2, model_dim=32))
   assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
 
 
