@@ -4,7 +4,9 @@ Every recurrent variant and ring attention, causal and not, on a length that
 8 devices do not divide (the end is padded) with padded examples (one with
 no keys at all) and GQA: outputs and gradients are judged against each
 variant's oracle by the shared suite's judges, and compared with the
-single-device function.
+single-device function. Gated variants get their gates and betas from the
+key as in the shared suite (``with_derived_inputs``), so the key's gradient
+carries theirs.
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ from _helpers import (
   assert_gradients_match_oracle,
   assert_matches_oracle,
   cotangent,
+  deriving_inputs,
   kv_lengths,
   largest_intermediate,
   make_qkv,
   suite_options,
+  with_derived_inputs,
 )
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding
@@ -89,11 +93,12 @@ def test_context_parallel_equals_one_device(name, is_causal):
                                           is_causal=False, **options)
     return
   ct = cotangent(jnp.zeros((shape.B, shape.T, shape.N, shape.D)))
+  split = with_derived_inputs(spec, functools.partial(
+      parallel.context_parallel_attention, attention=name, mesh=mesh(), axis_name="seq",
+      is_causal=is_causal, key_value_seq_lengths=lengths, **options))
+  spec = deriving_inputs(spec)  # The same gates for the function and its oracle.
   single = spec.build(**options)
-  got, got_grads = _value_and_grads(
-      lambda q, k, v: parallel.context_parallel_attention(
-          q, k, v, attention=name, mesh=mesh(), axis_name="seq", is_causal=is_causal,
-          key_value_seq_lengths=lengths, **options), q, k, v, ct)
+  got, got_grads = _value_and_grads(split, q, k, v, ct)
   want, want_grads = _value_and_grads(
       lambda q, k, v: single(q, k, v, is_causal=is_causal, key_value_seq_lengths=lengths),
       q, k, v, ct)
@@ -101,14 +106,17 @@ def test_context_parallel_equals_one_device(name, is_causal):
          lengths=lengths, options=options)
 
 
-def test_variants_with_per_token_inputs_are_refused_by_name():
-  """Their gates would have to be split along T with the keys; that is not built yet."""
-  assert "retention" in parallel.recurrent_attentions()  # Fixed decays: no per-token input.
-  assert "simple_gla" not in parallel.recurrent_attentions()
+def test_per_token_inputs_are_checked_by_name_and_shape():
   q, k, v = make_qkv(SHAPE)
-  with pytest.raises(ValueError, match=r"'simple_gla' takes per-token inputs \['log_decay'\]"):
-    parallel.context_parallel_attention(q, k, v, attention="simple_gla", mesh=mesh(),
-                                        axis_name="seq")
+  cp = functools.partial(parallel.context_parallel_attention, q, k, v,
+                         attention="gated_delta_net", mesh=mesh(), axis_name="seq")
+  beta = jnp.full((SHAPE.B, SHAPE.S, SHAPE.K), 0.5)
+  with pytest.raises(ValueError, match=r"needs the per-token input\(s\) beta \[B, S, K\], "
+                     r"log_decay \[B, S, K\] as keyword arguments; missing \['log_decay'\]"):
+    cp(beta=beta)
+  with pytest.raises(ValueError, match=r"log_decay must be a float array \[B, S, K\] = "
+                     r"\(3, 37, 2\) for key \(3, 37, 2, 8\); got float32 \(3, 37, 2, 8\)"):
+    cp(beta=beta, log_decay=jnp.zeros(k.shape))
 
 
 @pytest.mark.parametrize("is_causal, load_balance", [(True, True), (True, False),
@@ -243,8 +251,9 @@ def test_bad_input_names_the_problem():
                           rngs=nnx.Rngs(0))
 
 
-@pytest.mark.parametrize("attention", ["softmax", "performer"])
+@pytest.mark.parametrize("attention", ["softmax", "performer", "gated_delta_net"])
 def test_a_layer_with_context_parallelism_equals_the_plain_layer(attention):
+  """Gated DeltaNet's gates and betas, projected from the input, are split with the keys."""
   split = parallel.ContextParallel(mesh(), "seq")
   options = {"num_features": 8} if attention == "performer" else {}
   plain = nn.MultiHeadAttention(4, 16, num_kv_heads=2, attention=attention,
