@@ -177,9 +177,11 @@ def test_a_batch_sharded_over_another_axis_stays_sharded(types):
 def test_communication_is_states_only_for_recurrent_variants_and_blocks_for_ring():
   """Read from the compiled HLO, forward and backward: the analytic counts, exactly.
 
-  Recurrent: ``2 (1 + ceil(log2(P - 1)))`` states, the same at every T.
-  Ring: keys and values round the ring (and their gradients home), plus the
-  zig-zag reorder of each device's share; nothing else crosses.
+  Recurrent: ``2 (1 + ceil(log2(P - 1)))`` states, the same at every T; for
+  Gated DeltaNet a state is the span's affine map, and its gates and betas
+  (sharded like the keys, differentiated too) never cross. Ring: keys and
+  values round the ring (and their gradients home), plus the zig-zag reorder
+  of each device's share; nothing else crosses.
   """
   from experiments import context_parallel as cp
 
@@ -189,18 +191,27 @@ def test_communication_is_states_only_for_recurrent_variants_and_blocks_for_ring
   for T in (64, 256):
     q, k, v = (jax.ShapeDtypeStruct(s, jnp.float32, sharding=seq)
                for s in ((B, T, N, H), (B, T, K, H), (B, T, K, D)))
-    loss = lambda fn: jax.grad(lambda *a: jnp.sum(fn(*a) ** 2), argnums=(0, 1, 2))  # noqa: E731
-    linear = loss(functools.partial(parallel.context_parallel_attention, attention="linear_elu",
-                                    mesh=m, axis_name="seq"))
-    ring = loss(functools.partial(parallel.ring_attention, mesh=m, axis_name="seq",
-                                  is_causal=True))
-    sent = {name: cp.collective_bytes(jax.jit(fn, out_shardings=seq).lower(q, k, v).compile()
-                                      .as_text()) for name, fn in (("linear", linear),
-                                                                    ("ring", ring))}
-    sizes = dict(P_=DEVICES, B=B, T=T, N=N, K=K, H=H, D=D, itemsize=4,
-                 state_bytes=4 * B * K * H * (D + 1))  # kv [B, K, M, D], k_sum [B, K, M].
-    assert sent["linear"] == cp.analytic_bytes("recurrent", **sizes)
-    assert sent["ring"] == cp.analytic_bytes("ring", **sizes)
+    gates = {name: jax.ShapeDtypeStruct((B, T, K), jnp.float32, sharding=seq)
+             for name in ("beta", "log_decay")}
+    loss = lambda fn: jax.grad(lambda *a: jnp.sum(fn(*a) ** 2), argnums=(0, 1, 2, 3))  # noqa: E731
+    linear = loss(lambda q, k, v, _: parallel.context_parallel_attention(
+        q, k, v, attention="linear_elu", mesh=m, axis_name="seq"))
+    delta = loss(lambda q, k, v, gates: parallel.context_parallel_attention(
+        q, k, v, attention="gated_delta_net", mesh=m, axis_name="seq", **gates))
+    ring = loss(lambda q, k, v, _: parallel.ring_attention(q, k, v, mesh=m, axis_name="seq",
+                                                           is_causal=True))
+    sent = {name: cp.collective_bytes(jax.jit(fn, out_shardings=seq).lower(q, k, v, gates)
+                                      .compile().as_text())
+            for name, fn in (("linear", linear), ("delta", delta), ("ring", ring))}
+    sizes = dict(P_=DEVICES, B=B, T=T, N=N, K=K, H=H, D=D, itemsize=4)
+    # linear_elu: kv [B, K, M, D], k_sum [B, K, M]. Gated DeltaNet: kv [B, K, H, D] and the
+    # transition [B, K, H, H]; the last round's transition is read by no one, so not sent.
+    assert sent["linear"] == cp.analytic_bytes("recurrent", **sizes,
+                                               state_bytes=4 * B * K * H * (D + 1))
+    assert sent["delta"] == cp.analytic_bytes("recurrent", **sizes,
+                                              state_bytes=4 * B * K * H * (D + H),
+                                              read_bytes=4 * B * K * H * D)
+    assert sent["ring"] == cp.analytic_bytes("ring", **sizes, state_bytes=0)
   # P = 4: distances 1, 1, 2; device 1 sends to 2, 2, 3 and back to 0, 0.
   assert [cp.scan_sends(P_) for P_ in (1, 2, 4, 8)] == [0, 1, 5, 7]
 
