@@ -332,6 +332,16 @@ def context_parallel_attention(
     >>> bool(jnp.allclose(out, single, atol=1e-5))
     True
 
+    A gated variant's per-token inputs go by name (here ``log_decay [B, T, K]``):
+
+    >>> g = jnp.full((1, 8, 2), -0.1)
+    >>> with jax.set_mesh(mesh):
+    ...   out = parallel.context_parallel_attention(x, x, x, attention="simple_gla", mesh=mesh,
+    ...                                             axis_name="seq", log_decay=g)
+    >>> single = la.get_attention("simple_gla")(x, x, x, is_causal=True, log_decay=g)
+    >>> bool(jnp.allclose(out, single, atol=1e-5))
+    True
+
   References:
     Hillis & Steele, "Data Parallel Algorithms", 1986 (the scan over devices).
   """
