@@ -7,9 +7,12 @@ along T. Two reports:
 - ``communication``: for each total length T of ``--total_lengths``, the
   bytes one device sends in a forward+backward pass, read from the compiled HLO's collectives (each
   counted as often as its loop runs) beside the analytic count. Recurrent
-  (``--recurrent``): ``1 + ceil(log2(P - 1))`` states forward and as many
+  (``--recurrent``, any of ``parallel.recurrent_attentions()``; a gated
+  one gets seeded gates and betas, sharded like the keys):
+  ``1 + ceil(log2(P - 1))`` states forward and as many
   backward in the other direction (the busiest device sends 7 of them for
-  P = 8), a state being ``B·K·M·(D + 1)`` floats, whatever T. Ring: keys
+  P = 8), a state being e.g. ``B·K·M·(D + 1)`` floats for linear attention
+  or ``B·K·H·(D + H)`` for the delta rule's affine map, whatever T. Ring: keys
   and values ``(P - 1)`` times forward; backward, keys and values ``P - 1``
   times and their float32 gradients P times; plus the zig-zag reorder,
   half of q, k, v and the output's gradient in, half of the output and of
@@ -157,57 +160,77 @@ def _shape(T: int) -> tuple[int, int, int, int, int, int]:
   return _BATCH.value, T, N, K, common.HEAD_DIM.value, common.value_dim()
 
 
-def _inputs(T: int, sharding: Any) -> tuple[jax.ShapeDtypeStruct, ...]:
+def _shapes(T: int) -> dict[str, tuple[int, ...]]:
+  """Shapes of q, k, v and of the ``--recurrent`` variant's per-token inputs (gates, betas)."""
   B, T, N, K, H, D = _shape(T)
+  gates = la.get_spec(_RECURRENT.value).extra_input_shapes((B, T, K, H))
+  return {"q": (B, T, N, H), "k": (B, T, K, H), "v": (B, T, K, D), **gates}
+
+
+def _inputs(T: int, sharding: Any) -> tuple[Any, ...]:
+  """``(q, k, v, gates)`` as ``jax.ShapeDtypeStruct`` s (gates float32, sharded as q, k, v)."""
   dtype = jnp.dtype(common.DTYPE.value)
-  return tuple(jax.ShapeDtypeStruct(s, dtype, sharding=sharding)
-               for s in ((B, T, N, H), (B, T, K, H), (B, T, K, D)))
+  shapes = _shapes(T)
+  q, k, v = (jax.ShapeDtypeStruct(shapes.pop(x), dtype, sharding=sharding) for x in "qkv")
+  return q, k, v, {name: jax.ShapeDtypeStruct(s, jnp.float32, sharding=sharding)
+                   for name, s in shapes.items()}
 
 
 def _forward_backward(fn: Callable[..., Any]) -> Callable[..., Any]:
   """Gradients of ``Σ out²``: the output's gradient is data, not a constant XLA folds."""
-  def loss(q, k, v):
-    return jnp.sum(jnp.square(fn(q, k, v).astype(jnp.float32)))
-  return jax.grad(loss, argnums=(0, 1, 2))
+  def loss(q, k, v, gates):
+    return jnp.sum(jnp.square(fn(q, k, v, gates).astype(jnp.float32)))
+  return jax.grad(loss, argnums=(0, 1, 2, 3))
 
 
 def _methods(mesh: jax.sharding.Mesh) -> dict[str, tuple[Callable[..., Any], bool]]:
-  """name -> (attention function, sharded over the mesh); names with "softmax", "ring" or
-  "flash" are exact (quadratic time)."""
+  """name -> (``fn(q, k, v, gates)``, sharded over the mesh); only the recurrent variant
+  reads ``gates``. Names with "softmax", "ring" or "flash" are exact (quadratic time)."""
   recurrent = _RECURRENT.value
   return {
-      f"context_parallel {recurrent}": (lambda q, k, v: parallel.context_parallel_attention(
-          q, k, v, attention=recurrent, mesh=mesh, axis_name="seq", is_causal=True), True),
-      "ring (zig-zag)": (lambda q, k, v: parallel.ring_attention(
+      f"context_parallel {recurrent}": (lambda q, k, v, g: parallel.context_parallel_attention(
+          q, k, v, attention=recurrent, mesh=mesh, axis_name="seq", is_causal=True, **g), True),
+      "ring (zig-zag)": (lambda q, k, v, _: parallel.ring_attention(
           q, k, v, mesh=mesh, axis_name="seq", is_causal=True), True),
-      f"one device: {recurrent}": (lambda q, k, v: la.get_attention(recurrent)(
-          q, k, v, is_causal=True), False),
-      "one device: flash": (lambda q, k, v: la.flash_attention(q, k, v, is_causal=True), False),
-      "one device: softmax (XLA)": (lambda q, k, v: la.softmax_attention(
+      f"one device: {recurrent}": (lambda q, k, v, g: la.get_attention(recurrent)(
+          q, k, v, is_causal=True, **g), False),
+      "one device: flash": (lambda q, k, v, _: la.flash_attention(q, k, v, is_causal=True),
+                            False),
+      "one device: softmax (XLA)": (lambda q, k, v, _: la.softmax_attention(
           q, k, v, is_causal=True, implementation="xla"), False),
   }
 
 
-def scan_sends(P_: int) -> int:
-  """States the busiest device sends in the recurrent exclusive scan, forward and backward.
+def scan_sends(P_: int, state_bytes: int = 1, read_bytes: int | None = None) -> int:
+  """What the busiest device sends in the recurrent exclusive scan, forward and backward.
 
   Forward, device i sends to i + d for the shift (d = 1) and each
   Hillis–Steele round (d = 1, 2, 4, ... < P - 1) while i + d < P; the
-  backward pass sends the other way (i to i - d).
+  backward pass sends the other way (i to i - d). Every send is one state
+  of ``state_bytes`` (default 1: a count of states) but the last round's
+  (the shift's for P = 2): only the local pass reads what it builds, and
+  where it reads ``read_bytes`` of a state (a gated summary's ``kv``, not its
+  decay or transition), the compiled program sends no more.
   """
+  read_bytes = state_bytes if read_bytes is None else read_bytes
   distances, d = ([1] if P_ > 1 else []), 1
   while d < P_ - 1:
     distances.append(d)
     d *= 2
-  return max(sum(i + d < P_ for d in distances) + sum(i - d >= 0 for d in distances)
-             for i in range(P_))
+  sent = [0] * P_
+  for r, d in enumerate(distances):
+    size = read_bytes if r == len(distances) - 1 else state_bytes
+    sent = [s + size * ((i + d < P_) + (i - d >= 0)) for i, s in enumerate(sent)]
+  return max(sent)
 
 
 def analytic_bytes(method: str, *, P_: int, B: int, T: int, N: int, K: int, H: int, D: int,
-                   itemsize: int, state_bytes: int) -> dict[str, int]:
-  """The busiest device's bytes sent in one forward+backward pass, by kind."""
+                   itemsize: int, state_bytes: int,
+                   read_bytes: int | None = None) -> dict[str, int]:
+  """The busiest device's bytes sent in one forward+backward pass, by kind (``read_bytes``:
+  see :func:`scan_sends`)."""
   if method == "recurrent":
-    return {"shift": scan_sends(P_) * state_bytes}
+    return {"shift": scan_sends(P_, state_bytes, read_bytes)}
   L = -(-T // (2 * P_)) * 2
   k, v = B * L * K * H * itemsize, B * L * K * D * itemsize
   q, out = B * L * N * H * itemsize, B * L * N * D * itemsize
@@ -220,15 +243,20 @@ def analytic_bytes(method: str, *, P_: int, B: int, T: int, N: int, K: int, H: i
 
 
 def _analytic(method: str, T: int, P_: int) -> dict[str, int]:
+  """The analytic count; a state's size is that of a summary, and what the local pass reads
+  of it that of the state a causal pass carries (e.g. a gated summary's ``kv`` alone)."""
   B, T, N, K, H, D = _shape(T)
   dtype = jnp.dtype(common.DTYPE.value)
   spec = la.get_spec(_RECURRENT.value)
-  state = jax.eval_shape(lambda: spec.streaming.summarize(
-      jnp.zeros((B, 8, K, H), dtype), jnp.zeros((B, 8, K, D), dtype)))
+  q, k, v, gates = _inputs(8, None)
+  summary, (_, state) = jax.eval_shape(lambda q, k, v, g: (
+      spec.streaming.summarize(k, v, **g),
+      spec.function(q, k, v, is_causal=True, return_state=True, **g)), q, k, v, gates)
+  size = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))  # noqa: E731
   return analytic_bytes(
       "recurrent" if method.startswith("context_parallel") else "ring", P_=P_, B=B, T=T, N=N,
-      K=K, H=H, D=D, itemsize=dtype.itemsize,
-      state_bytes=sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state)))
+      K=K, H=H, D=D, itemsize=dtype.itemsize, state_bytes=size(summary),
+      read_bytes=size(state))
 
 
 def communication(mesh: jax.sharding.Mesh) -> list[dict[str, Any]]:
@@ -284,22 +312,26 @@ def max_length(mesh: jax.sharding.Mesh) -> list[dict[str, Any]]:
 
 
 def _run(fn: Callable[..., Any], T: int, sharding: Any) -> dict[str, Any]:
-  B, T, N, K, H, D = _shape(T)
+  """Seeded normal q, v and keys of norm about 1 (a delta rule's writes stay bounded);
+  log-decays ``log σ(x) / 16`` and betas ``σ(x)`` for x normal."""
   dtype = jnp.dtype(common.DTYPE.value)
-  shapes = ((B, T, N, H), (B, T, K, H), (B, T, K, D))
+  shapes = _shapes(T)
 
   def make(seed):
     key = jax.random.key(seed)
-    return tuple(jax.random.normal(jax.random.fold_in(key, i), s, dtype)
-                 for i, s in enumerate(shapes))
+    x = {name: jax.random.normal(jax.random.fold_in(key, i), s, jnp.float32)
+         for i, (name, s) in enumerate(shapes.items())}
+    q, k, v = x.pop("q"), x.pop("k") / math.sqrt(shapes["k"][-1]), x.pop("v")
+    gates = {name: jax.nn.log_sigmoid(g) / 16 if name == "log_decay" else jax.nn.sigmoid(g)
+             for name, g in x.items()}
+    return q.astype(dtype), k.astype(dtype), v.astype(dtype), gates
 
-  q, k, v = jax.jit(make, out_shardings=(sharding,) * 3 if sharding is not None else None)(
-      common.SEED.value)
-  step = jax.jit(_forward_backward(fn)).lower(q, k, v).compile()
+  q, k, v, gates = jax.jit(make, out_shardings=sharding)(common.SEED.value)
+  step = jax.jit(_forward_backward(fn)).lower(q, k, v, gates).compile()
   start = time.perf_counter()
-  grads = step(q, k, v)
+  grads = step(q, k, v, gates)
   jax.block_until_ready(grads)
-  finite = all(bool(jnp.all(jnp.isfinite(g))) for g in grads)
+  finite = all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
   return {"T": T, "seconds": time.perf_counter() - start, "finite": finite}
 
 

@@ -239,7 +239,8 @@ class MultiHeadAttention(nnx.Module):
     context_parallel: a ``linattn_jax.parallel.ContextParallel`` (a mesh and
       the axis that splits the sequence): self-attention calls then run
       with context parallelism, ring attention for softmax and flash, the
-      state-passing form for recurrent variants. Decoding is unaffected.
+      state-passing form for recurrent variants (a gated one's projected
+      gates are split along T with the keys). Decoding is unaffected.
 
   Raises:
     ValueError: for an unknown variant or option, an option the layer owns,
@@ -248,7 +249,7 @@ class MultiHeadAttention(nnx.Module):
       divisible by K, a ``dropout_rate`` outside [0, 1) or one for a variant
       that forms no weights, ``attention_fn`` with another variant, a
       ``context_parallel`` that is not a ``ContextParallel``, a variant
-      ``context_parallel`` cannot run (none with per-token inputs), or a
+      ``context_parallel`` cannot run (the sparse patterns), or a
       variant with per-token inputs (``AttentionSpec.extra_inputs``) the
       layer has no gate projections for (any but the gated recurrences above).
 
@@ -617,7 +618,7 @@ class MultiHeadAttention(nnx.Module):
                w.astype(q.dtype).reshape(sow_as + w.shape[1:]))
     if self.context_parallel is not None:
       return self.context_parallel.attend(self.attention, q, k, v, is_causal=is_causal,
-                                          key_value_seq_lengths=lengths, **options)
+                                          key_value_seq_lengths=lengths, **options, **gates)
     return spec.function(q, k, v, is_causal=is_causal, key_value_seq_lengths=lengths,
                          **options, **gates)
 

@@ -15,8 +15,12 @@ keys, ``s_i``, and needs the exclusive prefix ``s_0 ∘ … ∘ s_{i-1}``: one
 (``ceil(log2(P - 1))`` rounds; in round r, device i combines what device
 ``i - 2^r`` holds into its own) completes it. Each round sends one state,
 ``[B, K, M, D]`` and its normaliser, so the communication per device does
-not depend on T. The device then runs the variant's own causal pass over its
-tokens from that prefix (``initial_state``). Non-causal attention reads the
+not depend on T. The gated recurrences summarise a span as the affine map it
+applies to the state, ``S ↦ diag(exp(a)) S + B`` (decays) or ``S ↦ A S + B``
+(delta rule, ``A [B, K, H, H]``), and compose those; their gates and betas
+are split along T with the keys. The device then runs the variant's own
+causal pass over its tokens from that prefix (``initial_state``). Non-causal
+attention reads the
 state of all keys: the last device's inclusive prefix, broadcast with a
 ``psum``, read by a causal pass with the local keys hidden (they are in
 it already).
@@ -81,20 +85,20 @@ def recurrent_attentions() -> list[str]:
   Takes no arrays. These variants fold keys into a fixed-size state (e.g.
   ``[B, K, M, D]`` and its normaliser) whose ``combine`` is associative, so
   devices exchange states, not keys. Exact softmax runs with
-  :func:`ring_attention` instead. Variants with per-token inputs (gates,
-  betas: ``AttentionSpec.extra_inputs``) are not listed: their inputs are not
-  sharded yet.
+  :func:`ring_attention` instead. The gated and delta-rule recurrences are
+  here too: their per-token inputs (``AttentionSpec.extra_inputs``) are split
+  along T with the keys.
 
   Returns:
     A sorted list of registered names.
 
   Examples:
     >>> names = parallel.recurrent_attentions()
-    >>> "performer" in names, "heinsen" in names, "softmax" in names
+    >>> "performer" in names, "gated_delta_net" in names, "softmax" in names
     (True, True, False)
   """
-  return [name for name in available_attentions() if not get_spec(name).extra_inputs
-          and (s := get_spec(name).streaming) is not None and s.summarize is not None]
+  return [name for name in available_attentions()
+          if (s := get_spec(name).streaming) is not None and s.summarize is not None]
 
 
 def _axis_size(mesh: Any, axis_name: Any, fn: str) -> int:
@@ -119,13 +123,14 @@ def _prepare(query, key, value, lengths, *, fn: str):
 
 
 def _sharded(local: Any, p: checks.Prepared, lengths: jax.Array, replicated: Any, *,
-             mesh: Mesh, axis_name: Any, zigzag: bool) -> jax.Array:
-  """``local(q, k, v, lengths, replicated)`` with T split over ``axis_name``; the output.
+             mesh: Mesh, axis_name: Any, zigzag: bool, per_token: Any = ()) -> jax.Array:
+  """``local(q, k, v, lengths, replicated, per_token)`` with T split over ``axis_name``.
 
-  T is padded at its end to a multiple of P (2P in zig-zag order: each
-  device's block is reordered to it by :func:`_reorder`, and the output
-  back); ``replicated`` goes to
-  every device whole. ``shard_map`` is manual over ``axis_name`` only: other
+  Returns the output. T is padded at its end to a multiple of P (2P in
+  zig-zag order: each device's block is reordered to it by :func:`_reorder`,
+  and the output back); ``per_token`` (a pytree of ``[B, T, ...]`` arrays)
+  is split and padded with the keys, ``replicated`` goes to every device
+  whole. ``shard_map`` is manual over ``axis_name`` only: other
   mesh axes stay automatic, so a batch sharded over them stays so. On a mesh
   whose axes are Explicit, this runs under ``jax.sharding.auto_axes``, and
   the output keeps the batch's sharding and is split along T over
@@ -135,21 +140,25 @@ def _sharded(local: Any, p: checks.Prepared, lengths: jax.Array, replicated: Any
   explicit = tuple(a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
                    if t == AxisType.Explicit)
 
-  def reordered(q, k, v, lengths, replicated):
-    q, k, v = (_reorder(x, axis_name, P_, inverse=False) for x in (q, k, v))
-    return _reorder(local(q, k, v, lengths, replicated), axis_name, P_, inverse=True)
+  def reordered(q, k, v, lengths, replicated, per_token):
+    q, k, v, per_token = jax.tree.map(lambda x: _reorder(x, axis_name, P_, inverse=False),
+                                      (q, k, v, per_token))
+    return _reorder(local(q, k, v, lengths, replicated, per_token), axis_name, P_,
+                    inverse=True)
 
-  def run(q, k, v, lengths, replicated):
+  def run(q, k, v, lengths, replicated, per_token):
     pad = -T % (2 * P_ if zigzag else P_)
-    q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
+    q, k, v, per_token = jax.tree.map(
+        lambda x: jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2)),
+        (q, k, v, per_token))
     seq = P(None, axis_name)
     out = jax.shard_map(reordered if zigzag else local,
                         mesh=jax.sharding.get_abstract_mesh() if explicit else mesh,
-                        in_specs=(seq, seq, seq, P(), P()), out_specs=seq,
-                        axis_names={axis_name})(q, k, v, lengths, replicated)
+                        in_specs=(seq, seq, seq, P(), P(), seq), out_specs=seq,
+                        axis_names={axis_name})(q, k, v, lengths, replicated, per_token)
     return out[:, :T] if pad else out
 
-  args = (p.query, p.key, p.value, lengths, replicated)
+  args = (p.query, p.key, p.value, lengths, replicated, per_token)
   if not explicit:
     return run(*args)
   spec = getattr(jax.typeof(p.query).sharding, "spec", ())
@@ -219,6 +228,21 @@ def exclusive_prefix(summary: Any, empty: Any, combine: Any, axis_name: Any, P_:
   return x
 
 
+def _per_token(spec: Any, inputs: dict[str, Any], p: checks.Prepared, key_shape: tuple[int, ...],
+               *, fn: str) -> dict[str, jax.Array]:
+  """``spec``'s per-token inputs, each checked against its declared shape (e.g.
+  ``[B, S, K]``; without B for unbatched keys) and batched."""
+  wants = spec.extra_input_shapes(key_shape)
+  out = {}
+  for name, shape in spec.extra_inputs:
+    x, want = jnp.asarray(inputs[name]), wants[name]
+    if x.shape != want or not jnp.issubdtype(x.dtype, jnp.floating):
+      raise ValueError(f"{fn}: {name} must be a float array {shape} = {want} for key "
+                       f"{key_shape}; got {x.dtype} {x.shape}.")
+    out[name] = x if p.batched else x[None]
+  return out
+
+
 def _split_arrays(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
   """Options that are arrays (projections, feature-map weights) and the static rest."""
   is_array = lambda x: isinstance(x, (jax.Array, np.ndarray))  # noqa: E731
@@ -266,7 +290,8 @@ def context_parallel_attention(
     value: ``[B, T, K, D]``.
     attention: a registered recurrent variant (see
       :func:`recurrent_attentions`): linear_elu, linear_relu, linear_learned,
-      performer, random_fourier, efficient, heinsen, retention (causal only).
+      performer, random_fourier, efficient, heinsen; causal only: retention,
+      simple_gla, gla, delta_net, gated_delta_net.
     mesh: the device mesh; ``axis_name`` is one of its axes. On a mesh whose
       axes are Explicit (the default of ``jax.make_mesh``), pass arrays
       sharded on it or call inside ``jax.set_mesh(mesh)``.
@@ -275,15 +300,19 @@ def context_parallel_attention(
     is_causal: query t sees keys ``j <= t`` (default True).
     key_value_seq_lengths: optional ``[B]`` ints; keys at or past it are hidden.
     **options: the variant's options, as for ``get_attention`` (arrays such
-      as a ``projection`` are replicated to every device).
+      as a ``projection`` are replicated to every device), and its per-token
+      inputs by the names of ``AttentionSpec.extra_inputs`` (gates, betas,
+      e.g. ``log_decay [B, T, K]``, ``beta [B, T, K]``): split along T with
+      the keys, each device summarising with its own.
 
   Returns:
     ``[B, T, N, D]`` in the input dtype.
 
   Raises:
     ValueError: for a variant without a recurrent state (use
-      :func:`ring_attention` for softmax) or with per-token inputs,
-      ``is_causal=False`` for a causal-only variant, an unknown or missing option, an
+      :func:`ring_attention` for softmax), a per-token input missing or not
+      of its declared shape, ``is_causal=False`` for a causal-only variant,
+      an unknown or missing option, an
       option context parallelism sets itself (``initial_state``,
       ``return_state``, ``key_value_seq_lengths``, ``is_causal``), a ``mesh``
       that is not a ``jax.sharding.Mesh``, an axis not in the mesh, T != S,
@@ -301,35 +330,49 @@ def context_parallel_attention(
     >>> bool(jnp.allclose(out, single, atol=1e-5))
     True
 
+    A gated variant's per-token inputs go by name (here ``log_decay [B, T, K]``):
+
+    >>> g = jnp.full((1, 8, 2), -0.1)
+    >>> with jax.set_mesh(mesh):
+    ...   out = parallel.context_parallel_attention(x, x, x, attention="simple_gla", mesh=mesh,
+    ...                                             axis_name="seq", log_decay=g)
+    >>> single = la.get_attention("simple_gla")(x, x, x, is_causal=True, log_decay=g)
+    >>> bool(jnp.allclose(out, single, atol=1e-5))
+    True
+
   References:
     Hillis & Steele, "Data Parallel Algorithms", 1986 (the scan over devices).
   """
   fn = "context_parallel_attention"
   recurrent = recurrent_attentions()
-  if attention in available_attentions() and get_spec(attention).extra_inputs:
-    raise ValueError(f"{fn}: attention={attention!r} takes per-token inputs "
-                     f"{[name for name, _ in get_spec(attention).extra_inputs]}, which context "
-                     "parallelism does not shard yet.")
   if attention not in recurrent:
     raise ValueError(f"{fn}: attention={attention!r} has no recurrent state to pass between "
                      f"devices; recurrent variants: {recurrent} (exact softmax: ring_attention).")
+  spec = get_spec(attention)
   for name in _RESERVED:
     if name in options:
       raise ValueError(f"{fn}: `{name}` is set by context parallelism, not an option.")
-  get_spec(attention).build(**options)  # Unknown or missing options fail here.
+  inputs = {name: options.pop(name) for name, _ in spec.extra_inputs if name in options}
+  spec.build(**options)  # Unknown or missing options fail here.
   is_causal = checks.check_static_bool(is_causal, name="is_causal", fn=fn)
-  if not is_causal and not get_spec(attention).supports_noncausal:
+  if not is_causal and not spec.supports_noncausal:
     raise ValueError(f"{fn}: attention={attention!r} supports is_causal=True only.")
+  missing = [name for name, _ in spec.extra_inputs if name not in inputs]
+  if missing:
+    needs = ", ".join(f"{name} {shape}" for name, shape in spec.extra_inputs)
+    raise ValueError(f"{fn}: attention={attention!r} needs the per-token input(s) {needs} "
+                     f"as keyword arguments; missing {missing}.")
   _axis_size(mesh, axis_name, fn)
   arrays, static = _split_arrays(options)
   static = tuple(sorted((k, checks.static_option(v, name=k, fn=fn)) for k, v in static.items()))
-  return _context_parallel(query, key, value, key_value_seq_lengths, arrays, attention=attention,
-                           mesh=mesh, axis_name=axis_name, is_causal=is_causal, static=static)
+  return _context_parallel(query, key, value, key_value_seq_lengths, arrays, inputs,
+                           attention=attention, mesh=mesh, axis_name=axis_name,
+                           is_causal=is_causal, static=static)
 
 
 @functools.partial(jax.jit, static_argnames=("attention", "mesh", "axis_name", "is_causal",
                                              "static"))
-def _context_parallel(query, key, value, lengths, arrays, *, attention, mesh, axis_name,
+def _context_parallel(query, key, value, lengths, arrays, inputs, *, attention, mesh, axis_name,
                       is_causal, static):
   """:func:`context_parallel_attention` as one compiled program (inlined under jit)."""
   fn = "context_parallel_attention"
@@ -337,19 +380,20 @@ def _context_parallel(query, key, value, lengths, arrays, *, attention, mesh, ax
   streaming = spec.streaming
   P_ = mesh.shape[axis_name]
   p, lengths = _prepare(query, key, value, lengths, fn=fn)
+  per_token = _per_token(spec, inputs, p, jnp.shape(key), fn=fn)
   L = -(-p.dims.T // P_)
 
-  def local(q, k, v, lengths, arrays):
+  def local(q, k, v, lengths, arrays, per_token):
     opts = {**dict(static), **arrays}
     i = lax.axis_index(axis_name)
     local_lengths = jnp.clip(lengths - i * L, 0, L)
-    summary = streaming.summarize(k, v, key_value_seq_lengths=local_lengths,
+    summary = streaming.summarize(k, v, key_value_seq_lengths=local_lengths, **per_token,
                                   **accepted(streaming.summarize, opts))
     empty = streaming.init(q, k, v, **accepted(streaming.init, opts))
     prefix = exclusive_prefix(summary, empty, streaming.combine, axis_name, P_)
     if is_causal:
       return spec.function(q, k, v, is_causal=True, key_value_seq_lengths=local_lengths,
-                           initial_state=prefix, **opts)
+                           initial_state=prefix, **opts, **per_token)
     inclusive = streaming.combine(prefix, summary)
     last = i == P_ - 1  # Broadcast the last device's state: the others add zeros.
     total = lax.psum(jax.tree.map(lambda x: jnp.where(last, x, jnp.zeros_like(x)), inclusive),
@@ -358,9 +402,10 @@ def _context_parallel(query, key, value, lengths, arrays, *, attention, mesh, ax
     # Every query reads ``total``: a causal pass from it with the local keys
     # hidden (they are in it already).
     return spec.function(q, k, v, is_causal=True, key_value_seq_lengths=jnp.zeros_like(
-        local_lengths), initial_state=total, **opts)
+        local_lengths), initial_state=total, **opts, **per_token)
 
-  out = _sharded(local, p, lengths, arrays, mesh=mesh, axis_name=axis_name, zigzag=False)
+  out = _sharded(local, p, lengths, arrays, mesh=mesh, axis_name=axis_name, zigzag=False,
+                 per_token=per_token)
   return p.restore(out)
 
 
@@ -611,7 +656,7 @@ def ring_attention(
                block_k=checks.check_positive_int(block_k, name="block_k", fn=fn))
   N, K = p.dims.N, p.dims.K
 
-  def local(q, k, v, lengths, _):
+  def local(q, k, v, lengths, _, __):
     B, L, _, H = q.shape
     D = v.shape[-1]
     qi = q.reshape(B, L, K, N // K, H).transpose(0, 2, 3, 1, 4)  # [B, K, G, L, H]
@@ -635,8 +680,9 @@ class ContextParallel:
   query ``[B, T, N, H]``, key ``[B, T, K, H]`` and value ``[B, T, K, D]``
   (one sequence, T = S), returning ``[B, T, N, D]``:
   :func:`ring_attention` for ``"softmax"`` and ``"flash"``,
-  :func:`context_parallel_attention` for the recurrent variants. Give it to
-  ``linattn_jax.nn.MultiHeadAttention(context_parallel=...)``.
+  :func:`context_parallel_attention` for the recurrent variants (a gated
+  one's per-token inputs, ``[B, T, K(, H)]``, by name among the options).
+  Give it to ``linattn_jax.nn.MultiHeadAttention(context_parallel=...)``.
 
   Attributes:
     mesh: a ``jax.sharding.Mesh``.

@@ -4,7 +4,9 @@ Every recurrent variant and ring attention, causal and not, on a length that
 8 devices do not divide (the end is padded) with padded examples (one with
 no keys at all) and GQA: outputs and gradients are judged against each
 variant's oracle by the shared suite's judges, and compared with the
-single-device function.
+single-device function. Gated variants get their gates and betas from the
+key as in the shared suite (``with_derived_inputs``), so the key's gradient
+carries theirs.
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ from _helpers import (
   assert_gradients_match_oracle,
   assert_matches_oracle,
   cotangent,
+  deriving_inputs,
   kv_lengths,
   largest_intermediate,
   make_qkv,
   suite_options,
+  with_derived_inputs,
 )
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding
@@ -89,11 +93,12 @@ def test_context_parallel_equals_one_device(name, is_causal):
                                           is_causal=False, **options)
     return
   ct = cotangent(jnp.zeros((shape.B, shape.T, shape.N, shape.D)))
+  split = with_derived_inputs(spec, functools.partial(
+      parallel.context_parallel_attention, attention=name, mesh=mesh(), axis_name="seq",
+      is_causal=is_causal, key_value_seq_lengths=lengths, **options))
+  spec = deriving_inputs(spec)  # The same gates for the function and its oracle.
   single = spec.build(**options)
-  got, got_grads = _value_and_grads(
-      lambda q, k, v: parallel.context_parallel_attention(
-          q, k, v, attention=name, mesh=mesh(), axis_name="seq", is_causal=is_causal,
-          key_value_seq_lengths=lengths, **options), q, k, v, ct)
+  got, got_grads = _value_and_grads(split, q, k, v, ct)
   want, want_grads = _value_and_grads(
       lambda q, k, v: single(q, k, v, is_causal=is_causal, key_value_seq_lengths=lengths),
       q, k, v, ct)
@@ -101,14 +106,17 @@ def test_context_parallel_equals_one_device(name, is_causal):
          lengths=lengths, options=options)
 
 
-def test_variants_with_per_token_inputs_are_refused_by_name():
-  """Their gates would have to be split along T with the keys; that is not built yet."""
-  assert "retention" in parallel.recurrent_attentions()  # Fixed decays: no per-token input.
-  assert "simple_gla" not in parallel.recurrent_attentions()
+def test_per_token_inputs_are_checked_by_name_and_shape():
   q, k, v = make_qkv(SHAPE)
-  with pytest.raises(ValueError, match=r"'simple_gla' takes per-token inputs \['log_decay'\]"):
-    parallel.context_parallel_attention(q, k, v, attention="simple_gla", mesh=mesh(),
-                                        axis_name="seq")
+  cp = functools.partial(parallel.context_parallel_attention, q, k, v,
+                         attention="gated_delta_net", mesh=mesh(), axis_name="seq")
+  beta = jnp.full((SHAPE.B, SHAPE.S, SHAPE.K), 0.5)
+  with pytest.raises(ValueError, match=r"needs the per-token input\(s\) beta \[B, S, K\], "
+                     r"log_decay \[B, S, K\] as keyword arguments; missing \['log_decay'\]"):
+    cp(beta=beta)
+  with pytest.raises(ValueError, match=r"log_decay must be a float array \[B, S, K\] = "
+                     r"\(3, 37, 2\) for key \(3, 37, 2, 8\); got float32 \(3, 37, 2, 8\)"):
+    cp(beta=beta, log_decay=jnp.zeros(k.shape))
 
 
 @pytest.mark.parametrize("is_causal, load_balance", [(True, True), (True, False),
@@ -169,9 +177,11 @@ def test_a_batch_sharded_over_another_axis_stays_sharded(types):
 def test_communication_is_states_only_for_recurrent_variants_and_blocks_for_ring():
   """Read from the compiled HLO, forward and backward: the analytic counts, exactly.
 
-  Recurrent: ``2 (1 + ceil(log2(P - 1)))`` states, the same at every T.
-  Ring: keys and values round the ring (and their gradients home), plus the
-  zig-zag reorder of each device's share; nothing else crosses.
+  Recurrent: ``2 (1 + ceil(log2(P - 1)))`` states, the same at every T; for
+  Gated DeltaNet a state is the span's affine map, and its gates and betas
+  (sharded like the keys, differentiated too) never cross. Ring: keys and
+  values round the ring (and their gradients home), plus the zig-zag reorder
+  of each device's share; nothing else crosses.
   """
   from experiments import context_parallel as cp
 
@@ -181,18 +191,27 @@ def test_communication_is_states_only_for_recurrent_variants_and_blocks_for_ring
   for T in (64, 256):
     q, k, v = (jax.ShapeDtypeStruct(s, jnp.float32, sharding=seq)
                for s in ((B, T, N, H), (B, T, K, H), (B, T, K, D)))
-    loss = lambda fn: jax.grad(lambda *a: jnp.sum(fn(*a) ** 2), argnums=(0, 1, 2))  # noqa: E731
-    linear = loss(functools.partial(parallel.context_parallel_attention, attention="linear_elu",
-                                    mesh=m, axis_name="seq"))
-    ring = loss(functools.partial(parallel.ring_attention, mesh=m, axis_name="seq",
-                                  is_causal=True))
-    sent = {name: cp.collective_bytes(jax.jit(fn, out_shardings=seq).lower(q, k, v).compile()
-                                      .as_text()) for name, fn in (("linear", linear),
-                                                                    ("ring", ring))}
-    sizes = dict(P_=DEVICES, B=B, T=T, N=N, K=K, H=H, D=D, itemsize=4,
-                 state_bytes=4 * B * K * H * (D + 1))  # kv [B, K, M, D], k_sum [B, K, M].
-    assert sent["linear"] == cp.analytic_bytes("recurrent", **sizes)
-    assert sent["ring"] == cp.analytic_bytes("ring", **sizes)
+    gates = {name: jax.ShapeDtypeStruct((B, T, K), jnp.float32, sharding=seq)
+             for name in ("beta", "log_decay")}
+    loss = lambda fn: jax.grad(lambda *a: jnp.sum(fn(*a) ** 2), argnums=(0, 1, 2, 3))  # noqa: E731
+    linear = loss(lambda q, k, v, _: parallel.context_parallel_attention(
+        q, k, v, attention="linear_elu", mesh=m, axis_name="seq"))
+    delta = loss(lambda q, k, v, gates: parallel.context_parallel_attention(
+        q, k, v, attention="gated_delta_net", mesh=m, axis_name="seq", **gates))
+    ring = loss(lambda q, k, v, _: parallel.ring_attention(q, k, v, mesh=m, axis_name="seq",
+                                                           is_causal=True))
+    sent = {name: cp.collective_bytes(jax.jit(fn, out_shardings=seq).lower(q, k, v, gates)
+                                      .compile().as_text())
+            for name, fn in (("linear", linear), ("delta", delta), ("ring", ring))}
+    sizes = dict(P_=DEVICES, B=B, T=T, N=N, K=K, H=H, D=D, itemsize=4)
+    # linear_elu: kv [B, K, M, D], k_sum [B, K, M]. Gated DeltaNet: kv [B, K, H, D] and the
+    # transition [B, K, H, H]; the last round's transition is read by no one, so not sent.
+    assert sent["linear"] == cp.analytic_bytes("recurrent", **sizes,
+                                               state_bytes=4 * B * K * H * (D + 1))
+    assert sent["delta"] == cp.analytic_bytes("recurrent", **sizes,
+                                              state_bytes=4 * B * K * H * (D + H),
+                                              read_bytes=4 * B * K * H * D)
+    assert sent["ring"] == cp.analytic_bytes("ring", **sizes, state_bytes=0)
   # P = 4: distances 1, 1, 2; device 1 sends to 2, 2, 3 and back to 0, 0.
   assert [cp.scan_sends(P_) for P_ in (1, 2, 4, 8)] == [0, 1, 5, 7]
 
@@ -243,8 +262,9 @@ def test_bad_input_names_the_problem():
                           rngs=nnx.Rngs(0))
 
 
-@pytest.mark.parametrize("attention", ["softmax", "performer"])
+@pytest.mark.parametrize("attention", ["softmax", "performer", "gated_delta_net"])
 def test_a_layer_with_context_parallelism_equals_the_plain_layer(attention):
+  """Gated DeltaNet's gates and betas, projected from the input, are split with the keys."""
   split = parallel.ContextParallel(mesh(), "seq")
   options = {"num_features": 8} if attention == "performer" else {}
   plain = nn.MultiHeadAttention(4, 16, num_kv_heads=2, attention=attention,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from collections.abc import Mapping
 from types import MappingProxyType
@@ -187,8 +188,32 @@ def deriving_inputs(spec):
   The shared suite calls every variant as ``fn(q, k, v, is_causal=...,
   key_value_seq_lengths=...)``. For a spec that declares per-token inputs,
   every entry point the suite calls (function, oracle, streaming ``step`` and
-  ``summarize``) is wrapped to compute them from its key argument, position by
-  position, in float32 (float64 for float64 keys) whatever the key's dtype:
+  ``summarize``) is wrapped by :func:`with_derived_inputs`. The fast
+  function and its oracle get the same wrapper, so parity still judges the
+  implementation; a key's gates are as future as the key, so the causality
+  tests still hold; and gradients reach the gates through ``k``. The wrapped
+  spec declares no ``extra_inputs``. A spec without extra inputs is returned
+  as it is.
+  """
+  if not spec.extra_inputs:
+    return spec
+  wrap = functools.partial(with_derived_inputs, spec)
+  streaming = spec.streaming
+  if streaming is not None:
+    streaming = dataclasses.replace(
+        streaming, step=wrap(streaming.step, key_at=2),
+        summarize=None if streaming.summarize is None else wrap(streaming.summarize, key_at=0))
+  return dataclasses.replace(spec, function=wrap(spec.function),
+                             reference=wrap(spec.reference), streaming=streaming,
+                             extra_inputs=())
+
+
+def with_derived_inputs(spec, fn, key_at: int = 1):
+  """``fn``, which takes ``spec``'s per-token inputs by name, computing them from its key.
+
+  The key is the positional argument at ``key_at``. The inputs are computed
+  position by position, in float32 (float64 for float64 keys) whatever the
+  key's dtype:
 
   - ``log_decay [B, S, K]``: ``-softplus(k[..., 0] - 2)`` (a decay per head);
   - ``log_decay [B, S, K, H]``: ``log_sigmoid(k) / 4`` (a decay per key feature);
@@ -198,52 +223,46 @@ def deriving_inputs(spec):
   ``[1/√2, √2]``, since the raw delta rule grows without bound for
   ``β |k|² > 2``: scaled by a power of two, not divided by the norm, so that a
   16-bit key and its float32 copy (which the stress tests give the oracle)
-  give the same scaled key, exactly. The fast
-  function and its oracle get the same wrapper, so parity still judges the
-  implementation; a key's gates are as future as the key, so the causality
-  tests still hold; and gradients reach the gates through ``k``. The wrapped
-  spec declares no ``extra_inputs``. To run the suite on your own gated
+  give the same scaled key, exactly. To run the suite on your own gated
   variant, name its inputs and shapes as above (or add a rule to
-  ``_DERIVED``). A spec without extra inputs is returned as it is.
+  ``_DERIVED``). ``fn`` itself for a spec without extra inputs.
   """
   if not spec.extra_inputs:
-    return spec
-  unknown = [i for i in spec.extra_inputs if i not in _DERIVED]
-  if unknown:
-    raise ValueError(f"{spec.name}: no rule derives {unknown} from the key; add one to _DERIVED.")
-  normalise = any(name == "beta" for name, _ in spec.extra_inputs)
+    return fn
+  derived = _deriver(spec.name, spec.extra_inputs)
 
-  @jax.jit  # One program per key shape, also where the suite calls the oracle eagerly.
+  def wrapped(*args, **kwargs):
+    if len(args) <= key_at or jnp.ndim(args[key_at]) < 2:
+      return fn(*args, **kwargs)  # Not enough to derive from: the function names the ranks.
+    key, gates = derived(jnp.asarray(args[key_at]))
+    return fn(*args[:key_at], key, *args[key_at + 1:], **gates, **kwargs)
+
+  names = {name for name, _ in spec.extra_inputs}
+  signature = inspect.signature(fn)
+  wrapped.__signature__ = signature.replace(
+      parameters=[p for p in signature.parameters.values() if p.name not in names])
+  wrapped.__name__ = getattr(fn, "__name__", spec.name)
+  return wrapped
+
+
+@functools.cache
+def _deriver(name: str, extra_inputs: tuple[tuple[str, str], ...]):
+  """``key -> (key, inputs)`` for :func:`with_derived_inputs`, one program per key shape
+  (also where the suite calls the oracle eagerly)."""
+  unknown = [i for i in extra_inputs if i not in _DERIVED]
+  if unknown:
+    raise ValueError(f"{name}: no rule derives {unknown} from the key; add one to _DERIVED.")
+  normalise = any(input_name == "beta" for input_name, _ in extra_inputs)
+
+  @jax.jit
   def derived(key):
     k32 = key.astype(accumulation_dtype(key.dtype))
-    gates = {name: _DERIVED[(name, shape)](k32) for name, shape in spec.extra_inputs}
+    gates = {input_name: _DERIVED[(input_name, shape)](k32) for input_name, shape in extra_inputs}
     if normalise:  # Exact in every dtype: the scale is 2^-round(log2 |k|).
       norm = jnp.sqrt(jnp.sum(k32 * k32, axis=-1, keepdims=True))
       key = key * jax.lax.stop_gradient(jnp.exp2(-jnp.round(jnp.log2(norm)))).astype(key.dtype)
     return key, gates
-
-  def wrap(fn, key_at):
-    def wrapped(*args, **kwargs):
-      if len(args) <= key_at or jnp.ndim(args[key_at]) < 2:
-        return fn(*args, **kwargs)  # Not enough to derive from: the function names the ranks.
-      key, gates = derived(jnp.asarray(args[key_at]))
-      return fn(*args[:key_at], key, *args[key_at + 1:], **gates, **kwargs)
-
-    names = {name for name, _ in spec.extra_inputs}
-    signature = inspect.signature(fn)
-    wrapped.__signature__ = signature.replace(
-        parameters=[p for p in signature.parameters.values() if p.name not in names])
-    wrapped.__name__ = getattr(fn, "__name__", spec.name)
-    return wrapped
-
-  streaming = spec.streaming
-  if streaming is not None:
-    streaming = dataclasses.replace(
-        streaming, step=wrap(streaming.step, 2),
-        summarize=None if streaming.summarize is None else wrap(streaming.summarize, 0))
-  return dataclasses.replace(spec, function=wrap(spec.function, 1),
-                             reference=wrap(spec.reference, 1), streaming=streaming,
-                             extra_inputs=())
+  return derived
 
 
 def build(spec, impl, **options):
