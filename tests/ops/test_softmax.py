@@ -162,22 +162,23 @@ def _primitives(jaxpr) -> set[str]:
 
 
 def test_default_implementation_switches_to_flash_for_long_inputs():
-  q, k, v = make_qkv(SHAPE)
-  bias, _ = _bias_mask(SHAPE)
+  """``implementation=None`` traces flash exactly where ``prefers_flash`` says, on both sides
+  of this backend's switch, and keeps XLA's path for a dense bias. Traced from abstract
+  inputs: nothing of the switch's size is allocated or compiled."""
+  fastest = softmax_module.FLASH_MIN_SCORES.get(jax.default_backend())
+  # The measured switch (CPU), or either side of the memory threshold (2^29 scores).
+  side, below = (int(fastest ** 0.5), int(fastest ** 0.5) - 1) if fastest else (2**15, 2**14)
 
-  def uses_flash(**options):
-    jaxpr = jax.make_jaxpr(lambda q, k, v: la.softmax_attention(q, k, v, **options))(q, k, v)
+  def uses_flash(T, S, bias=False):
+    qkv = [jax.ShapeDtypeStruct((1, L, 1, 8), jnp.float32) for L in (T, S, S)]
+    extra = [jax.ShapeDtypeStruct((1, 1, T, S), jnp.float32)] if bias else []
+    jaxpr = jax.make_jaxpr(la.softmax_attention)(*qkv, *extra)
     return "custom_vjp_call" in _primitives(jaxpr.jaxpr)
 
-  assert not uses_flash()
-  # softmax_attention compiles itself: drop its traces on both sides of the
-  # patch, so that none made with the patched threshold outlives it.
-  with pytest.MonkeyPatch.context() as patch:
-    patch.setattr(softmax_module, "FLASH_THRESHOLD_ELEMENTS", 0)
-    jax.clear_caches()
-    assert uses_flash()
-    assert not uses_flash(bias=bias)  # A dense bias keeps the XLA path.
-  jax.clear_caches()
+  assert not uses_flash(SHAPE.T, SHAPE.S)
+  assert uses_flash(side, side) and softmax_module.prefers_flash(1, 1, side, side)
+  assert not uses_flash(side, below) and not softmax_module.prefers_flash(1, 1, side, below)
+  assert not uses_flash(side, side, bias=True)  # A dense bias keeps the XLA path.
 
 
 def test_default_switches_to_flash_where_measured_faster():
