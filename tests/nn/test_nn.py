@@ -130,17 +130,24 @@ def _decode(layer, x):
   return layer(x, decode=True)  # Flax's form: decoding is causal by construction.
 
 
+@nnx.jit
+def _full_and_pieces(layer, x):
+  """One causal call over ``x``, and the layer decoding ``x`` in ``PIECES`` from its fresh
+  cache (one program: the pieces' shapes would each compile their own)."""
+  full = layer(x, is_causal=True)  # Reads no cache.
+  bounds = np.cumsum((0,) + PIECES)
+  return full, jnp.concatenate([layer(x[:, a:b], decode=True)
+                                for a, b in zip(bounds[:-1], bounds[1:], strict=True)], 1)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("name", CAUSAL)
 def test_prefill_then_steps_equals_one_causal_call(name, dtype):
   """A prompt, single tokens, a later chunk: together one causal call over the sequence."""
   layer = _layer(name, dtype)
   x = jax.random.normal(jax.random.key(1), (B, T, IN)).astype(dtype)
-  want = _full(layer, x)
   layer.init_cache(x.shape)
-  bounds = np.cumsum((0,) + PIECES)
-  pieces = zip(bounds[:-1], bounds[1:], strict=True)
-  got = jnp.concatenate([_decode(layer, x[:, a:b]) for a, b in pieces], 1)
+  want, got = _full_and_pieces(layer, x)
   assert got.dtype == want.dtype == dtype
   atol, rtol = TOLERANCE[jnp.dtype(dtype)]
   if name == "random_fourier":  # Signed features: a normaliser can nearly cancel (see README).
