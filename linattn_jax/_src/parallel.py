@@ -19,11 +19,10 @@ not depend on T. The gated recurrences summarise a span as the affine map it
 applies to the state, ``S ↦ diag(exp(a)) S + B`` (decays) or ``S ↦ A S + B``
 (delta rule, ``A [B, K, H, H]``), and compose those; their gates and betas
 are split along T with the keys. The device then runs the variant's own
-causal pass over its tokens from that prefix (``initial_state``). Non-causal
-attention reads the
-state of all keys: the last device's inclusive prefix, broadcast with a
-``psum``, read by a causal pass with the local keys hidden (they are in
-it already).
+causal pass over its tokens from that prefix (``initial_state``).
+Non-causal attention reads the state of all keys: the last device's
+inclusive prefix, broadcast with a ``psum``, read by a causal pass with the
+local keys hidden (they are in it already).
 
 **Exact softmax** (:func:`ring_attention`). Keys and values travel around
 the ring (``ppermute`` to device ``i + 1``) in P - 1 steps; each step's
