@@ -49,6 +49,7 @@ from jax.scipy.linalg import solve_triangular
 from jax.typing import ArrayLike
 
 from linattn_jax._src import checks, recurrence
+from linattn_jax._src.blocks import pad_axis
 from linattn_jax._src.masks import length_predicate
 
 GatedImplementation = Literal["reference", "scan", "associative_scan", "chunked"]
@@ -163,16 +164,70 @@ def _gla_absorb(config, S, chunk: recurrence.Chunk) -> jax.Array:
 def _gla_chunk(config, S, chunk: recurrence.Chunk):
   """C queries against the state and the chunk's C keys: ``(S_C, out [B, K, G, C, D])``."""
   (g,) = chunk.gates
+  if g.shape[-1] > 1:
+    return _gla_chunk_per_feature(S, chunk)
   q, k = chunk.fq, chunk.fk
-  prefix = jnp.cumsum(g, axis=2)  # [B, K, C, H|1]: Σ_{l≤i} g_l from the chunk's start.
-  decay = jnp.exp(segment_sums(g, 2))  # [B, K, C(i), C(j), H|1]; 0 where j > i.
-  if g.shape[-1] == 1:
-    a = jnp.einsum("bkgih,bkjh->bkgij", q, k) * decay[:, :, None, ..., 0]
-  else:
-    a = jnp.einsum("bkgih,bkijh->bkgij", q, decay * k[:, :, None])
+  prefix = jnp.cumsum(g, axis=2)  # [B, K, C, 1]: Σ_{l≤i} g_l from the chunk's start.
+  decay = jnp.exp(segment_sums(g[..., 0], 2))  # [B, K, C(i), C(j)]; 0 where j > i.
+  a = jnp.einsum("bkgih,bkjh->bkgij", q, k) * decay[:, :, None]
   out = (jnp.einsum("bkgij,bkjd->bkgid", a, chunk.v)
          + jnp.einsum("bkgih,bkhd->bkgid", q * jnp.exp(prefix)[:, :, None], S))
   return _gla_absorb(config, S, chunk), out
+
+
+def _gla_chunk_per_feature(S, chunk: recurrence.Chunk):
+  """The chunk form of GLA (a decay per key feature) by recursive halving.
+
+  With ``b_t = Σ_{l≤t} g_l`` inside the chunk, the weight of key s ≤ t for query t
+  is ``A_ts = Σ_h q_th k_sh exp(b_th - b_sh)``. Cut the chunk into halves, each
+  half into halves, and so on (Yang et al.'s secondary chunking, applied at every
+  scale): a pair s < t is split at exactly one level, in a block whose first half
+  F holds s and second half L holds t. With m the last position of F::
+
+      b_t - b_s = (b_t - b_m) + (b_m - b_s) = Σ_{m<l≤t} g_l + Σ_{s<l≤m} g_l
+
+  both sums of log-decays over a span inside one half, never a difference, so no
+  exponent is positive and a reset cancels nothing. Each level is then a matrix
+  product of ``q_t exp(b_t - b_m)`` (L) with ``k_s exp(b_m - b_s)`` (F); the
+  pairs s = t weigh ``q_t · k_t``. No ``[C, C, H]`` tensor is formed: each level
+  costs ``O(C H)`` exponentials. The span sums of a level come from the level
+  below (a half's prefix is its first half's, then that half's total plus the
+  second's), and the last level's are the whole chunk's: they read and write
+  the state.
+
+  References:
+    Yang et al., "Gated Linear Attention Transformers with Hardware-Efficient
+    Training", 2024 (secondary-level chunking, section 4.2).
+  """
+  (g,) = chunk.gates  # [B, K, C, H]
+  q, k, v = chunk.fq, chunk.fk, chunk.v
+  B, K, G, C, H = q.shape
+  P = 1 << (C - 1).bit_length()  # Padded positions are identity steps (g = 0, k = v = 0).
+  q, k, v, g = (pad_axis(x, x.ndim - 2, P) for x in (q, k, v, g))
+  out = jnp.sum(q * k[:, :, None], axis=-1, keepdims=True) * v[:, :, None]  # The pairs s = t.
+  # Over spans of h positions: Σ_{l≤t} g_l, Σ_{l>s} g_l (within t's, s's span); each span's sum.
+  prefix, suffix, total = g, jnp.zeros_like(g), g
+  h = 1
+  while h < P:
+    halves = lambda x, h=h: x.reshape(x.shape[:-2] + (P // (2 * h), 2, h, x.shape[-1]))  # noqa: E731
+    pre, suf = halves(prefix), halves(suffix)  # [B, K, P / 2h, 2, h, H]
+    q_late = halves(q)[..., 1, :, :] * jnp.exp(pre[:, :, None, :, 1])  # exp(b_t - b_m)
+    k_early = halves(k)[..., 0, :, :] * jnp.exp(suf[:, :, :, 0])  # exp(b_m - b_s)
+    late = jnp.einsum("bkgnts,bknsd->bkgntd", jnp.einsum("bkgnth,bknsh->bkgnts", q_late, k_early),
+                      halves(v)[..., 0, :, :])
+    out = out + jnp.stack([jnp.zeros_like(late), late], axis=-3).reshape(out.shape)
+    pair = total.reshape(B, K, P // (2 * h), 2, 1, H)
+    prefix = jnp.concatenate([pre[..., :1, :, :], pre[..., 1:, :, :] + pair[..., :1, :, :]],
+                             axis=-3).reshape(g.shape)
+    suffix = jnp.concatenate([suf[..., :1, :, :] + pair[..., 1:, :, :], suf[..., 1:, :, :]],
+                             axis=-3).reshape(g.shape)
+    total = jnp.sum(pair[..., 0, :], axis=-2)
+    h *= 2
+  # Now over the whole chunk: exp(b_t) reads the state, exp(b_C - b_s) writes to it.
+  out = out + jnp.einsum("bkgth,bkhd->bkgtd", q * jnp.exp(prefix)[:, :, None], S)
+  S = (jnp.exp(total)[..., 0, :, None] * S
+       + jnp.einsum("bksh,bksd->bkhd", k * jnp.exp(suffix), v))
+  return S, out[..., :C, :]
 
 
 def _gla_token(S, x):
