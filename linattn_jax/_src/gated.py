@@ -45,7 +45,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.scipy.linalg import solve_triangular
 from jax.typing import ArrayLike
 
 from linattn_jax._src import checks, recurrence
@@ -275,6 +274,28 @@ _GLA_BODIES = {
 # gates = (g [B, K, C, 1], beta [B, K, C, 1]).
 
 
+def _unit_lower_inverse(M: jax.Array) -> jax.Array:
+  """``M⁻¹`` for unit lower triangular ``M [..., C, C]``, by halves::
+
+      [[A, 0], [L, D]]⁻¹ = [[A⁻¹, 0], [-D⁻¹ L A⁻¹, D⁻¹]]
+
+  with the two diagonal halves inverted together, one level per halving: matrix
+  products only (a triangular solve is a sequential loop on some backends).
+  """
+  C = M.shape[-1]
+  if C == 1:
+    return jnp.ones_like(M)
+  h = C // 2
+  if C % 2:  # An odd size: one identity row and column more, then dropped.
+    pad = [(0, 0)] * (M.ndim - 2) + [(0, 1), (0, 1)]
+    return _unit_lower_inverse(jnp.pad(M, pad).at[..., C, C].set(1))[..., :C, :C]
+  halves = _unit_lower_inverse(jnp.stack([M[..., :h, :h], M[..., h:, h:]], axis=-3))
+  A_inv, D_inv = halves[..., 0, :, :], halves[..., 1, :, :]
+  below = -D_inv @ M[..., h:, :h] @ A_inv
+  return jnp.concatenate([jnp.concatenate([A_inv, jnp.zeros_like(below)], axis=-1),
+                          jnp.concatenate([below, D_inv], axis=-1)], axis=-2)
+
+
 def _delta_system(chunk: recurrence.Chunk):
   """``I + L`` ``[B, K, C, C]`` with ``L_ij = β_i (Γ_i / Γ_j) k_iᵀ k_j`` (j < i), ``log Γ_i``
   ``[B, K, C]`` and the decays ``Γ_i / Γ_j`` (0 where j > i) of a chunk's keys."""
@@ -295,8 +316,7 @@ def _delta_writes(S, chunk: recurrence.Chunk):
   k = chunk.fk
   system, prefix, decay = _delta_system(chunk)
   read = jnp.exp(prefix)[..., None] * jnp.einsum("bkih,bkhd->bkid", k, S)  # Γ_i S_0ᵀ k_i
-  u = solve_triangular(system, beta[..., None] * (chunk.v - read), lower=True,
-                       unit_diagonal=True)
+  u = _unit_lower_inverse(system) @ (beta[..., None] * (chunk.v - read))
   to_end = jnp.exp(_suffix_sums(g, 2))[..., None]  # [B, K, C, 1]: Γ_C / Γ_j
   S_end = (jnp.exp(prefix[:, :, -1])[..., None, None] * S
            + jnp.einsum("bkjh,bkjd->bkhd", k * to_end, u))
@@ -313,8 +333,7 @@ def _delta_transition(chunk: recurrence.Chunk) -> jax.Array:
   g, beta = (x[..., 0] for x in chunk.gates)
   k = chunk.fk
   system, prefix, _ = _delta_system(chunk)
-  W = solve_triangular(system, (beta * jnp.exp(prefix))[..., None] * k, lower=True,
-                       unit_diagonal=True)  # [B, K, C, H]
+  W = _unit_lower_inverse(system) @ ((beta * jnp.exp(prefix))[..., None] * k)  # [B, K, C, H]
   to_end = jnp.exp(_suffix_sums(g, 2))[..., None]
   eye = jnp.eye(k.shape[-1], dtype=k.dtype)[None, None]
   return (jnp.exp(prefix[:, :, -1])[..., None, None] * eye
