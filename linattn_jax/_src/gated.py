@@ -19,8 +19,10 @@ Both decay first, then write. Inside a chunk the decay from key j to query i is
 (a decay of -1e4 is a clean reset, no ``exp`` overflows). The delta rule's chunk
 form is the WY/UT representation (Yang et al., 2024): with ``Γ_i = exp(Σ_{l≤i} g_l)``
 inside the chunk, ``U = (I + L)⁻¹ diag(β) (V - diag(Γ) K S_0)`` where
-``L_ij = β_i (Γ_i / Γ_j) k_iᵀ k_j`` for ``j < i`` (one triangular solve per chunk),
-then ``S_C = Γ_C S_0 + Σ_j (Γ_C / Γ_j) k_j u_jᵀ``.
+``L_ij = β_i (Γ_i / Γ_j) k_iᵀ k_j`` for ``j < i`` (one unit triangular inverse per
+chunk, by halves), then ``S_C = Γ_C S_0 + Σ_j (Γ_C / Γ_j) k_j u_jᵀ``. GLA's decays per key
+feature are not one matrix per chunk: its chunk is halved recursively and each
+pair of positions decays through the point where it is split.
 
 Keys past ``key_value_seq_lengths`` are identity steps (no decay, no write); T ≠ S
 is bottom-right aligned, like every recurrent variant here.
@@ -310,7 +312,7 @@ def _delta_system(chunk: recurrence.Chunk):
 
 
 def _delta_writes(S, chunk: recurrence.Chunk):
-  """The chunk's writes ``u [B, K, C, D]`` by one triangular solve (the WY/UT form), the
+  """The chunk's writes ``u [B, K, C, D]`` by one unit triangular inverse (the WY/UT form), the
   decays ``Γ_i / Γ_j`` ``[B, K, C, C]`` (0 where j > i), ``log Γ_i`` and the state after it."""
   g, beta = (x[..., 0] for x in chunk.gates)  # [B, K, C]
   k = chunk.fk
@@ -327,7 +329,7 @@ def _delta_transition(chunk: recurrence.Chunk) -> jax.Array:
   """``A = Π_i exp(g_i) (I - β_i k_i k_iᵀ)`` ``[B, K, H, H]`` of a chunk, from the WY form.
 
   With no values the writes are ``u = -W S_0`` for ``W = (I + L)⁻¹ diag(β Γ) K``, so
-  ``A = Γ_C I - Σ_j (Γ_C / Γ_j) k_j w_jᵀ``: one triangular solve, no product of C
+  ``A = Γ_C I - Σ_j (Γ_C / Γ_j) k_j w_jᵀ``: one triangular inverse, no product of C
   matrices. Every factor is a decay ``≤ 1``, so resets neither overflow nor cancel.
   """
   g, beta = (x[..., 0] for x in chunk.gates)
@@ -592,7 +594,7 @@ def delta_rule_attention(
       summary ``initial_state`` that summary followed by these keys.
     implementation: ``"reference"`` (token by token, every state kept), ``"scan"``
       (token by token on ``lax.scan``) or ``"chunked"`` (the default: the
-      WY/UT chunk form, one triangular solve per chunk).
+      WY/UT chunk form, one unit triangular inverse per chunk).
     chunk_size: positions per chunk of ``"scan"`` and ``"chunked"``.
 
   Returns:
