@@ -146,7 +146,19 @@ def test_per_feature_chunks_split_at_every_level(chunk_size):
   chex.assert_trees_all_close(grads["chunked"], grads["scan"], atol=5e-5, rtol=5e-5)
 
 
-def test_splitting_a_sequence_and_passing_the_state_equals_one_pass():
+@pytest.mark.parametrize("chunk_size", [16, 13], ids=["power-of-two", "odd-halves"])
+def test_delta_chunks_invert_their_system_by_halves(chunk_size):
+  """The delta rule's chunk system is inverted by halves: sizes that halve evenly and sizes
+  that do not (13 -> 7 + 6 -> 4 + 3 ...), with a reset and padded keys."""
+  q, k, v, g, beta, initial = inputs(T=37, S=37, reset=True, seed=3)
+  lengths = np.array([37, 30])
+  want, want_state = recurrence(q, k, v, log_decay=g, beta=beta, initial=initial, lengths=lengths)
+  out, state = la.delta_rule_attention(q, k, v, beta, log_decay=g, chunk_size=chunk_size,
+                                       initial_state=la.GatedState(initial),
+                                       key_value_seq_lengths=lengths, return_state=True)
+  chex.assert_trees_all_close((out, state.kv), (want, want_state), atol=2e-5, rtol=2e-5)
+
+
   q, k, v, g, beta, _ = inputs()
   for delta in (False, True):
     whole, whole_state = call(delta, "chunked", q, k, v, g, beta)
