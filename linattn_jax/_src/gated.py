@@ -282,7 +282,8 @@ def _unit_lower_inverse(M: jax.Array) -> jax.Array:
       [[A, 0], [L, D]]⁻¹ = [[A⁻¹, 0], [-D⁻¹ L A⁻¹, D⁻¹]]
 
   with the two diagonal halves inverted together, one level per halving: matrix
-  products only (a triangular solve is a sequential loop on some backends).
+  products only (a triangular solve is a sequential loop on some backends), in full
+  float32 precision (an inverse compounds rounding level by level).
   """
   C = M.shape[-1]
   if C == 1:
@@ -293,7 +294,8 @@ def _unit_lower_inverse(M: jax.Array) -> jax.Array:
     return _unit_lower_inverse(jnp.pad(M, pad).at[..., C, C].set(1))[..., :C, :C]
   halves = _unit_lower_inverse(jnp.stack([M[..., :h, :h], M[..., h:, h:]], axis=-3))
   A_inv, D_inv = halves[..., 0, :, :], halves[..., 1, :, :]
-  below = -D_inv @ M[..., h:, :h] @ A_inv
+  mm = functools.partial(jnp.matmul, precision=lax.Precision.HIGHEST)  # No TF32 on GPUs.
+  below = -mm(mm(D_inv, M[..., h:, :h]), A_inv)
   return jnp.concatenate([jnp.concatenate([A_inv, jnp.zeros_like(below)], axis=-1),
                           jnp.concatenate([below, D_inv], axis=-1)], axis=-2)
 
