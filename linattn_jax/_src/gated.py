@@ -19,8 +19,10 @@ Both decay first, then write. Inside a chunk the decay from key j to query i is
 (a decay of -1e4 is a clean reset, no ``exp`` overflows). The delta rule's chunk
 form is the WY/UT representation (Yang et al., 2024): with ``Γ_i = exp(Σ_{l≤i} g_l)``
 inside the chunk, ``U = (I + L)⁻¹ diag(β) (V - diag(Γ) K S_0)`` where
-``L_ij = β_i (Γ_i / Γ_j) k_iᵀ k_j`` for ``j < i`` (one triangular solve per chunk),
-then ``S_C = Γ_C S_0 + Σ_j (Γ_C / Γ_j) k_j u_jᵀ``.
+``L_ij = β_i (Γ_i / Γ_j) k_iᵀ k_j`` for ``j < i`` (one unit triangular inverse per
+chunk, by halves), then ``S_C = Γ_C S_0 + Σ_j (Γ_C / Γ_j) k_j u_jᵀ``. GLA's decays per key
+feature are not one matrix per chunk: its chunk is halved recursively and each
+pair of positions decays through the point where it is split.
 
 Keys past ``key_value_seq_lengths`` are identity steps (no decay, no write); T ≠ S
 is bottom-right aligned, like every recurrent variant here.
@@ -45,10 +47,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.scipy.linalg import solve_triangular
 from jax.typing import ArrayLike
 
 from linattn_jax._src import checks, recurrence
+from linattn_jax._src.blocks import pad_axis
 from linattn_jax._src.masks import length_predicate
 
 GatedImplementation = Literal["reference", "scan", "associative_scan", "chunked"]
@@ -163,16 +165,70 @@ def _gla_absorb(config, S, chunk: recurrence.Chunk) -> jax.Array:
 def _gla_chunk(config, S, chunk: recurrence.Chunk):
   """C queries against the state and the chunk's C keys: ``(S_C, out [B, K, G, C, D])``."""
   (g,) = chunk.gates
+  if g.shape[-1] > 1:
+    return _gla_chunk_per_feature(S, chunk)
   q, k = chunk.fq, chunk.fk
-  prefix = jnp.cumsum(g, axis=2)  # [B, K, C, H|1]: Σ_{l≤i} g_l from the chunk's start.
-  decay = jnp.exp(segment_sums(g, 2))  # [B, K, C(i), C(j), H|1]; 0 where j > i.
-  if g.shape[-1] == 1:
-    a = jnp.einsum("bkgih,bkjh->bkgij", q, k) * decay[:, :, None, ..., 0]
-  else:
-    a = jnp.einsum("bkgih,bkijh->bkgij", q, decay * k[:, :, None])
+  prefix = jnp.cumsum(g, axis=2)  # [B, K, C, 1]: Σ_{l≤i} g_l from the chunk's start.
+  decay = jnp.exp(segment_sums(g[..., 0], 2))  # [B, K, C(i), C(j)]; 0 where j > i.
+  a = jnp.einsum("bkgih,bkjh->bkgij", q, k) * decay[:, :, None]
   out = (jnp.einsum("bkgij,bkjd->bkgid", a, chunk.v)
          + jnp.einsum("bkgih,bkhd->bkgid", q * jnp.exp(prefix)[:, :, None], S))
   return _gla_absorb(config, S, chunk), out
+
+
+def _gla_chunk_per_feature(S, chunk: recurrence.Chunk):
+  """The chunk form of GLA (a decay per key feature) by recursive halving.
+
+  With ``b_t = Σ_{l≤t} g_l`` inside the chunk, the weight of key s ≤ t for query t
+  is ``A_ts = Σ_h q_th k_sh exp(b_th - b_sh)``. Cut the chunk into halves, each
+  half into halves, and so on (Yang et al.'s secondary chunking, applied at every
+  scale): a pair s < t is split at exactly one level, in a block whose first half
+  F holds s and second half L holds t. With m the last position of F::
+
+      b_t - b_s = (b_t - b_m) + (b_m - b_s) = Σ_{m<l≤t} g_l + Σ_{s<l≤m} g_l
+
+  both sums of log-decays over a span inside one half, never a difference, so no
+  exponent is positive and a reset cancels nothing. Each level is then a matrix
+  product of ``q_t exp(b_t - b_m)`` (L) with ``k_s exp(b_m - b_s)`` (F); the
+  pairs s = t weigh ``q_t · k_t``. No ``[C, C, H]`` tensor is formed: each level
+  costs ``O(C H)`` exponentials. The span sums of a level come from the level
+  below (a half's prefix is its first half's, then that half's total plus the
+  second's), and the last level's are the whole chunk's: they read and write
+  the state.
+
+  References:
+    Yang et al., "Gated Linear Attention Transformers with Hardware-Efficient
+    Training", 2024 (secondary-level chunking, section 4.2).
+  """
+  (g,) = chunk.gates  # [B, K, C, H]
+  q, k, v = chunk.fq, chunk.fk, chunk.v
+  B, K, G, C, H = q.shape
+  P = 1 << (C - 1).bit_length()  # Padded positions are identity steps (g = 0, k = v = 0).
+  q, k, v, g = (pad_axis(x, x.ndim - 2, P) for x in (q, k, v, g))
+  out = jnp.sum(q * k[:, :, None], axis=-1, keepdims=True) * v[:, :, None]  # The pairs s = t.
+  # Over spans of h positions: Σ_{l≤t} g_l, Σ_{l>s} g_l (within t's, s's span); each span's sum.
+  prefix, suffix, total = g, jnp.zeros_like(g), g
+  h = 1
+  while h < P:
+    halves = lambda x, h=h: x.reshape(x.shape[:-2] + (P // (2 * h), 2, h, x.shape[-1]))  # noqa: E731
+    pre, suf = halves(prefix), halves(suffix)  # [B, K, P / 2h, 2, h, H]
+    q_late = halves(q)[..., 1, :, :] * jnp.exp(pre[:, :, None, :, 1])  # exp(b_t - b_m)
+    k_early = halves(k)[..., 0, :, :] * jnp.exp(suf[:, :, :, 0])  # exp(b_m - b_s)
+    late = jnp.einsum("bkgnts,bknsd->bkgntd", jnp.einsum("bkgnth,bknsh->bkgnts", q_late, k_early),
+                      halves(v)[..., 0, :, :])
+    out = out + jnp.stack([jnp.zeros_like(late), late], axis=-3).reshape(out.shape)
+    pair = total.reshape(B, K, P // (2 * h), 2, 1, H)
+    prefix = jnp.concatenate([pre[..., :1, :, :], pre[..., 1:, :, :] + pair[..., :1, :, :]],
+                             axis=-3).reshape(g.shape)
+    suffix = jnp.concatenate([suf[..., :1, :, :] + pair[..., 1:, :, :], suf[..., 1:, :, :]],
+                             axis=-3).reshape(g.shape)
+    total = jnp.sum(pair[..., 0, :], axis=-2)
+    h *= 2
+  # Now over the whole chunk: exp(b_t) reads the state, exp(b_C - b_s) writes to it.
+  out = out + jnp.einsum("bkgth,bkhd->bkgtd", q * jnp.exp(prefix)[:, :, None], S)
+  S = (jnp.exp(total)[..., 0, :, None] * S
+       + jnp.einsum("bksh,bksd->bkhd", k * jnp.exp(suffix), v))
+  return S, out[..., :C, :]
 
 
 def _gla_token(S, x):
@@ -220,6 +276,30 @@ _GLA_BODIES = {
 # gates = (g [B, K, C, 1], beta [B, K, C, 1]).
 
 
+def _unit_lower_inverse(M: jax.Array) -> jax.Array:
+  """``M⁻¹`` for unit lower triangular ``M [..., C, C]``, by halves::
+
+      [[A, 0], [L, D]]⁻¹ = [[A⁻¹, 0], [-D⁻¹ L A⁻¹, D⁻¹]]
+
+  with the two diagonal halves inverted together, one level per halving: matrix
+  products only (a triangular solve is a sequential loop on some backends), in full
+  float32 precision (an inverse compounds rounding level by level).
+  """
+  C = M.shape[-1]
+  if C == 1:
+    return jnp.ones_like(M)
+  h = C // 2
+  if C % 2:  # An odd size: one identity row and column more, then dropped.
+    pad = [(0, 0)] * (M.ndim - 2) + [(0, 1), (0, 1)]
+    return _unit_lower_inverse(jnp.pad(M, pad).at[..., C, C].set(1))[..., :C, :C]
+  halves = _unit_lower_inverse(jnp.stack([M[..., :h, :h], M[..., h:, h:]], axis=-3))
+  A_inv, D_inv = halves[..., 0, :, :], halves[..., 1, :, :]
+  mm = functools.partial(jnp.matmul, precision=lax.Precision.HIGHEST)  # No TF32 on GPUs.
+  below = -mm(mm(D_inv, M[..., h:, :h]), A_inv)
+  return jnp.concatenate([jnp.concatenate([A_inv, jnp.zeros_like(below)], axis=-1),
+                          jnp.concatenate([below, D_inv], axis=-1)], axis=-2)
+
+
 def _delta_system(chunk: recurrence.Chunk):
   """``I + L`` ``[B, K, C, C]`` with ``L_ij = β_i (Γ_i / Γ_j) k_iᵀ k_j`` (j < i), ``log Γ_i``
   ``[B, K, C]`` and the decays ``Γ_i / Γ_j`` (0 where j > i) of a chunk's keys."""
@@ -234,14 +314,13 @@ def _delta_system(chunk: recurrence.Chunk):
 
 
 def _delta_writes(S, chunk: recurrence.Chunk):
-  """The chunk's writes ``u [B, K, C, D]`` by one triangular solve (the WY/UT form), the
+  """The chunk's writes ``u [B, K, C, D]`` by one unit triangular inverse (the WY/UT form), the
   decays ``Γ_i / Γ_j`` ``[B, K, C, C]`` (0 where j > i), ``log Γ_i`` and the state after it."""
   g, beta = (x[..., 0] for x in chunk.gates)  # [B, K, C]
   k = chunk.fk
   system, prefix, decay = _delta_system(chunk)
   read = jnp.exp(prefix)[..., None] * jnp.einsum("bkih,bkhd->bkid", k, S)  # Γ_i S_0ᵀ k_i
-  u = solve_triangular(system, beta[..., None] * (chunk.v - read), lower=True,
-                       unit_diagonal=True)
+  u = _unit_lower_inverse(system) @ (beta[..., None] * (chunk.v - read))
   to_end = jnp.exp(_suffix_sums(g, 2))[..., None]  # [B, K, C, 1]: Γ_C / Γ_j
   S_end = (jnp.exp(prefix[:, :, -1])[..., None, None] * S
            + jnp.einsum("bkjh,bkjd->bkhd", k * to_end, u))
@@ -252,14 +331,13 @@ def _delta_transition(chunk: recurrence.Chunk) -> jax.Array:
   """``A = Π_i exp(g_i) (I - β_i k_i k_iᵀ)`` ``[B, K, H, H]`` of a chunk, from the WY form.
 
   With no values the writes are ``u = -W S_0`` for ``W = (I + L)⁻¹ diag(β Γ) K``, so
-  ``A = Γ_C I - Σ_j (Γ_C / Γ_j) k_j w_jᵀ``: one triangular solve, no product of C
+  ``A = Γ_C I - Σ_j (Γ_C / Γ_j) k_j w_jᵀ``: one triangular inverse, no product of C
   matrices. Every factor is a decay ``≤ 1``, so resets neither overflow nor cancel.
   """
   g, beta = (x[..., 0] for x in chunk.gates)
   k = chunk.fk
   system, prefix, _ = _delta_system(chunk)
-  W = solve_triangular(system, (beta * jnp.exp(prefix))[..., None] * k, lower=True,
-                       unit_diagonal=True)  # [B, K, C, H]
+  W = _unit_lower_inverse(system) @ ((beta * jnp.exp(prefix))[..., None] * k)  # [B, K, C, H]
   to_end = jnp.exp(_suffix_sums(g, 2))[..., None]
   eye = jnp.eye(k.shape[-1], dtype=k.dtype)[None, None]
   return (jnp.exp(prefix[:, :, -1])[..., None, None] * eye
@@ -518,7 +596,7 @@ def delta_rule_attention(
       summary ``initial_state`` that summary followed by these keys.
     implementation: ``"reference"`` (token by token, every state kept), ``"scan"``
       (token by token on ``lax.scan``) or ``"chunked"`` (the default: the
-      WY/UT chunk form, one triangular solve per chunk).
+      WY/UT chunk form, one unit triangular inverse per chunk).
     chunk_size: positions per chunk of ``"scan"`` and ``"chunked"``.
 
   Returns:

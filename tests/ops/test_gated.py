@@ -125,7 +125,42 @@ def test_gradients_of_the_chunked_form_match_the_oracle(delta):
   chex.assert_trees_all_close(got, want, atol=5e-5, rtol=5e-5)
 
 
-def test_splitting_a_sequence_and_passing_the_state_equals_one_pass():
+@pytest.mark.parametrize("chunk_size", [16, 13], ids=["power-of-two", "padded-to-16"])
+def test_per_feature_chunks_split_at_every_level(chunk_size):
+  """GLA's chunk form splits each chunk in halves down to single positions: resets inside
+  a half at several levels, -inf, T and chunks not multiples of the halves, padded keys."""
+  q, k, v, g, _, initial = inputs(T=37, S=37, per_feature=True, seed=2)
+  g[:, [3, 10, 22]] = -1e4  # Inside halves of 2, 4 and 8 positions (and across chunks).
+  g[0, 29, 1, ::2] = -np.inf  # Some features of one head forget everything.
+  lengths = np.array([37, 30])
+  want, want_state = recurrence(q, k, v, log_decay=g, initial=initial, lengths=lengths)
+  options = dict(chunk_size=chunk_size, initial_state=la.GatedState(initial),
+                 key_value_seq_lengths=lengths, return_state=True)
+  out, state = la.gated_linear_attention(q, k, v, g, **options)
+  chex.assert_trees_all_close((out, state.kv), (want, want_state), atol=2e-5, rtol=2e-5)
+
+  def loss(implementation, *x):
+    out, final = la.gated_linear_attention(*x, implementation=implementation, **options)
+    return jnp.sum(jnp.sin(out)) + jnp.sum(jnp.cos(final.kv))
+
+  grads = {i: jax.grad(loss, argnums=(1, 2, 3, 4))(i, q, k, v, g) for i in ("scan", "chunked")}
+  assert all(bool(jnp.all(jnp.isfinite(x))) for x in grads["chunked"])
+  chex.assert_trees_all_close(grads["chunked"], grads["scan"], atol=5e-5, rtol=5e-5)
+
+
+@pytest.mark.parametrize("chunk_size", [16, 13], ids=["power-of-two", "odd-halves"])
+def test_delta_chunks_invert_their_system_by_halves(chunk_size):
+  """The delta rule's chunk system is inverted by halves: sizes that halve evenly and sizes
+  that do not (13 -> 7 + 6 -> 4 + 3 ...), with a reset and padded keys."""
+  q, k, v, g, beta, initial = inputs(T=37, S=37, reset=True, seed=3)
+  lengths = np.array([37, 30])
+  want, want_state = recurrence(q, k, v, log_decay=g, beta=beta, initial=initial, lengths=lengths)
+  out, state = la.delta_rule_attention(q, k, v, beta, log_decay=g, chunk_size=chunk_size,
+                                       initial_state=la.GatedState(initial),
+                                       key_value_seq_lengths=lengths, return_state=True)
+  chex.assert_trees_all_close((out, state.kv), (want, want_state), atol=2e-5, rtol=2e-5)
+
+
   q, k, v, g, beta, _ = inputs()
   for delta in (False, True):
     whole, whole_state = call(delta, "chunked", q, k, v, g, beta)

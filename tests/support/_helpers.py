@@ -114,7 +114,7 @@ SUITE_SETTINGS: dict[str, SuiteSettings] = {
     "efficient": SuiteSettings({"chunk_size": 4}, ("parallel", "scan", "chunked")),
     "flash": SuiteSettings({"block_q": 4, "block_k": 8}),
     # The gated recurrences run their default, chunked form (with its checkpointed chunk
-    # scan and, for the delta rule, the WY triangular solve) and, through the streaming
+    # scan and, for the delta rule, the WY triangular inverse) and, through the streaming
     # steps, their scan form. Their oracles are judged, and every form of each runs, against the
     # float64 token recurrence in tests/ops/test_gated.py (outputs, states, gradients);
     # here each variant's registry entry (its gates, fixed decays, summaries) meets every
