@@ -338,6 +338,9 @@ def _run(fn: Callable[..., Any], T: int, sharding: Any) -> dict[str, Any]:
 def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  if _RECURRENT.value not in parallel.recurrent_attentions():
+    raise app.UsageError(f"--recurrent={_RECURRENT.value!r} has no state to pass between "
+                         f"devices; choose from {parallel.recurrent_attentions()}.")
   jax.config.update("jax_num_cpu_devices", _DEVICES.value)
   if jax.device_count() != _DEVICES.value:
     raise app.UsageError(f"--devices={_DEVICES.value}: JAX started with "

@@ -176,25 +176,31 @@ def _gla_chunk(config, S, chunk: recurrence.Chunk):
   return _gla_absorb(config, S, chunk), out
 
 
+# GLA's chunk form weighs the pairs inside blocks of this many positions directly (C·8·H
+# exponentials), and halves above them: fewer and larger products than halving down to 1.
+_GLA_DIRECT_SPAN = 8
+
+
 def _gla_chunk_per_feature(S, chunk: recurrence.Chunk):
   """The chunk form of GLA (a decay per key feature) by recursive halving.
 
   With ``b_t = Σ_{l≤t} g_l`` inside the chunk, the weight of key s ≤ t for query t
-  is ``A_ts = Σ_h q_th k_sh exp(b_th - b_sh)``. Cut the chunk into halves, each
-  half into halves, and so on (Yang et al.'s secondary chunking, applied at every
-  scale): a pair s < t is split at exactly one level, in a block whose first half
-  F holds s and second half L holds t. With m the last position of F::
+  is ``A_ts = Σ_h q_th k_sh exp(b_th - b_sh)``. Inside blocks of 8 positions
+  (``_GLA_DIRECT_SPAN``) it is formed directly, ``exp(Σ_{s<l≤t} g_l)`` from running
+  sums. Above them, cut the chunk into halves, each half into halves, and so on down
+  to the blocks (Yang et al.'s secondary chunking, applied at every scale): a pair
+  s < t in different blocks is split at exactly one level, in a span whose first
+  half F holds s and second half L holds t. With m the last position of F::
 
       b_t - b_s = (b_t - b_m) + (b_m - b_s) = Σ_{m<l≤t} g_l + Σ_{s<l≤m} g_l
 
   both sums of log-decays over a span inside one half, never a difference, so no
   exponent is positive and a reset cancels nothing. Each level is then a matrix
-  product of ``q_t exp(b_t - b_m)`` (L) with ``k_s exp(b_m - b_s)`` (F); the
-  pairs s = t weigh ``q_t · k_t``. No ``[C, C, H]`` tensor is formed: each level
-  costs ``O(C H)`` exponentials. The span sums of a level come from the level
-  below (a half's prefix is its first half's, then that half's total plus the
-  second's), and the last level's are the whole chunk's: they read and write
-  the state.
+  product of ``q_t exp(b_t - b_m)`` (L) with ``k_s exp(b_m - b_s)`` (F). No
+  ``[C, C, H]`` tensor is formed: the blocks cost ``8 C H`` exponentials, each
+  level ``O(C H)``. The span sums of a level come from the level below (a half's
+  prefix is its first half's, then that half's total plus the second's), and the
+  last level's are the whole chunk's: they read and write the state.
 
   References:
     Yang et al., "Gated Linear Attention Transformers with Hardware-Efficient
@@ -203,27 +209,42 @@ def _gla_chunk_per_feature(S, chunk: recurrence.Chunk):
   (g,) = chunk.gates  # [B, K, C, H]
   q, k, v = chunk.fq, chunk.fk, chunk.v
   B, K, G, C, H = q.shape
-  P = 1 << (C - 1).bit_length()  # Padded positions are identity steps (g = 0, k = v = 0).
-  q, k, v, g = (pad_axis(x, x.ndim - 2, P) for x in (q, k, v, g))
-  out = jnp.sum(q * k[:, :, None], axis=-1, keepdims=True) * v[:, :, None]  # The pairs s = t.
-  # Over spans of h positions: Σ_{l≤t} g_l, Σ_{l>s} g_l (within t's, s's span); each span's sum.
-  prefix, suffix, total = g, jnp.zeros_like(g), g
-  h = 1
-  while h < P:
-    halves = lambda x, h=h: x.reshape(x.shape[:-2] + (P // (2 * h), 2, h, x.shape[-1]))  # noqa: E731
-    pre, suf = halves(prefix), halves(suffix)  # [B, K, P / 2h, 2, h, H]
+  padded = 1 << (C - 1).bit_length()  # Padded positions: identity steps (g = 0, k = v = 0).
+  q, k, v, g = (pad_axis(x, x.ndim - 2, padded) for x in (q, k, v, g))
+  # Blocks of `span` positions weigh their own pairs directly: [.., blocks, span(t), span(s), H]
+  # holds Σ_{s<l≤t} g_l, a running sum down t of g_t where t > s (no difference is formed).
+  span = min(_GLA_DIRECT_SPAN, padded)
+  blocks = lambda x: x.reshape(x.shape[:-2] + (padded // span, span, x.shape[-1]))  # noqa: E731
+  g_blocks = blocks(g)
+  later = np.arange(span)[:, None] > np.arange(span)[None, :]  # [t, s]: t > s
+  between = jnp.cumsum(jnp.where(later[:, :, None], g_blocks[..., :, None, :], 0), axis=-3)
+  weights = jnp.where(later[:, :, None] | np.eye(span, dtype=bool)[:, :, None],
+                      jnp.exp(between), 0)  # exp(b_t - b_s) for s ≤ t, else 0
+  a = jnp.einsum("bkgnth,bknsh,bkntsh->bkgnts", blocks(q), blocks(k), weights)
+  out = jnp.einsum("bkgnts,bknsd->bkgntd", a, blocks(v)).reshape(q.shape[:-1] + v.shape[-1:])
+  # Over spans of `span` positions: Σ_{l≤t} g_l and Σ_{l>s} g_l within t's and s's span,
+  # and each span's sum.
+  prefix = jnp.cumsum(g_blocks, axis=-2).reshape(g.shape)
+  after = jnp.flip(jnp.cumsum(jnp.flip(g_blocks, -2), axis=-2), -2)  # Σ_{l≥s}
+  suffix = jnp.concatenate([after[..., 1:, :], jnp.zeros_like(after[..., :1, :])],
+                           axis=-2).reshape(g.shape)
+  total = jnp.sum(g_blocks, axis=-2)
+  while span < padded:
+    halves = lambda x, span=span: x.reshape(  # noqa: E731  [.., blocks, 2, span, H]
+        x.shape[:-2] + (padded // (2 * span), 2, span, x.shape[-1]))
+    pre, suf = halves(prefix), halves(suffix)  # [B, K, padded / 2span, 2, span, H]
     q_late = halves(q)[..., 1, :, :] * jnp.exp(pre[:, :, None, :, 1])  # exp(b_t - b_m)
     k_early = halves(k)[..., 0, :, :] * jnp.exp(suf[:, :, :, 0])  # exp(b_m - b_s)
     late = jnp.einsum("bkgnts,bknsd->bkgntd", jnp.einsum("bkgnth,bknsh->bkgnts", q_late, k_early),
                       halves(v)[..., 0, :, :])
     out = out + jnp.stack([jnp.zeros_like(late), late], axis=-3).reshape(out.shape)
-    pair = total.reshape(B, K, P // (2 * h), 2, 1, H)
+    pair = total.reshape(B, K, padded // (2 * span), 2, 1, H)
     prefix = jnp.concatenate([pre[..., :1, :, :], pre[..., 1:, :, :] + pair[..., :1, :, :]],
                              axis=-3).reshape(g.shape)
     suffix = jnp.concatenate([suf[..., :1, :, :] + pair[..., 1:, :, :], suf[..., 1:, :, :]],
                              axis=-3).reshape(g.shape)
     total = jnp.sum(pair[..., 0, :], axis=-2)
-    h *= 2
+    span *= 2
   # Now over the whole chunk: exp(b_t) reads the state, exp(b_C - b_s) writes to it.
   out = out + jnp.einsum("bkgth,bkhd->bkgtd", q * jnp.exp(prefix)[:, :, None], S)
   S = (jnp.exp(total)[..., 0, :, None] * S
@@ -276,6 +297,11 @@ _GLA_BODIES = {
 # gates = (g [B, K, C, 1], beta [B, K, C, 1]).
 
 
+# The delta rule's inverse and its applications multiply in full float32 (no TF32 on GPUs):
+# an inverse compounds rounding level by level.
+_matmul = functools.partial(jnp.matmul, precision=lax.Precision.HIGHEST)
+
+
 def _unit_lower_inverse(M: jax.Array) -> jax.Array:
   """``M⁻¹`` for unit lower triangular ``M [..., C, C]``, by halves::
 
@@ -283,7 +309,7 @@ def _unit_lower_inverse(M: jax.Array) -> jax.Array:
 
   with the two diagonal halves inverted together, one level per halving: matrix
   products only (a triangular solve is a sequential loop on some backends), in full
-  float32 precision (an inverse compounds rounding level by level).
+  float32 precision.
   """
   C = M.shape[-1]
   if C == 1:
@@ -294,8 +320,7 @@ def _unit_lower_inverse(M: jax.Array) -> jax.Array:
     return _unit_lower_inverse(jnp.pad(M, pad).at[..., C, C].set(1))[..., :C, :C]
   halves = _unit_lower_inverse(jnp.stack([M[..., :h, :h], M[..., h:, h:]], axis=-3))
   A_inv, D_inv = halves[..., 0, :, :], halves[..., 1, :, :]
-  mm = functools.partial(jnp.matmul, precision=lax.Precision.HIGHEST)  # No TF32 on GPUs.
-  below = -mm(mm(D_inv, M[..., h:, :h]), A_inv)
+  below = -_matmul(_matmul(D_inv, M[..., h:, :h]), A_inv)
   return jnp.concatenate([jnp.concatenate([A_inv, jnp.zeros_like(below)], axis=-1),
                           jnp.concatenate([below, D_inv], axis=-1)], axis=-2)
 
@@ -320,7 +345,7 @@ def _delta_writes(S, chunk: recurrence.Chunk):
   k = chunk.fk
   system, prefix, decay = _delta_system(chunk)
   read = jnp.exp(prefix)[..., None] * jnp.einsum("bkih,bkhd->bkid", k, S)  # Γ_i S_0ᵀ k_i
-  u = _unit_lower_inverse(system) @ (beta[..., None] * (chunk.v - read))
+  u = _matmul(_unit_lower_inverse(system), beta[..., None] * (chunk.v - read))
   to_end = jnp.exp(_suffix_sums(g, 2))[..., None]  # [B, K, C, 1]: Γ_C / Γ_j
   S_end = (jnp.exp(prefix[:, :, -1])[..., None, None] * S
            + jnp.einsum("bkjh,bkjd->bkhd", k * to_end, u))
@@ -337,7 +362,7 @@ def _delta_transition(chunk: recurrence.Chunk) -> jax.Array:
   g, beta = (x[..., 0] for x in chunk.gates)
   k = chunk.fk
   system, prefix, _ = _delta_system(chunk)
-  W = _unit_lower_inverse(system) @ ((beta * jnp.exp(prefix))[..., None] * k)  # [B, K, C, H]
+  W = _matmul(_unit_lower_inverse(system), (beta * jnp.exp(prefix))[..., None] * k)  # [B,K,C,H]
   to_end = jnp.exp(_suffix_sums(g, 2))[..., None]
   eye = jnp.eye(k.shape[-1], dtype=k.dtype)[None, None]
   return (jnp.exp(prefix[:, :, -1])[..., None, None] * eye

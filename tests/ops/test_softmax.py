@@ -4,6 +4,7 @@ fully masked rows, dispatch, and the flash path's O(T) structure."""
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.extend
@@ -167,7 +168,8 @@ def test_default_implementation_switches_to_flash_for_long_inputs():
   inputs: nothing of the switch's size is allocated or compiled."""
   fastest = softmax_module.FLASH_MIN_SCORES.get(jax.default_backend())
   # The measured switch (CPU), or either side of the memory threshold (2^29 scores).
-  side, below = (int(fastest ** 0.5), int(fastest ** 0.5) - 1) if fastest else (2**15, 2**14)
+  side = math.isqrt(fastest - 1) + 1 if fastest else 2**15  # The least side² ≥ fastest.
+  below = (fastest - 1) // side if fastest else 2**14  # side · below < fastest.
 
   def uses_flash(T, S, bias=False):
     qkv = [jax.ShapeDtypeStruct((1, L, 1, 8), jnp.float32) for L in (T, S, S)]
