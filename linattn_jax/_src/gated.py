@@ -932,11 +932,21 @@ def _identity(key: Any, value: Any, *, delta: bool, per_feature: bool) -> Any:
   return GatedSummary(kv, zeros(shape=lead + (K,) + ((H,) if per_feature else ())))
 
 
-def _init_like(query: Any, key: Any, value: Any, *, delta: bool, per_feature: bool) -> Any:
+def _identity_like(query: Any, key: Any, value: Any, *, delta: bool, per_feature: bool) -> Any:
   """The empty summary for ``[B, T, N, H]`` / ``[B, S, K, H]`` / ``[B, S, K, D]`` arrays
-  (the registry's ``init``): steps from it return summaries."""
+  (the registry's ``identity``, for context parallelism): steps from it return summaries."""
   p = checks.prepare_qkv(query, key, value, fn="init_gated_state")
   return _identity(p.key, p.value, delta=delta, per_feature=per_feature)
+
+
+def _init_like(query: Any, key: Any, value: Any) -> GatedState:
+  """The empty :class:`GatedState` ``[B, K, H, D]`` for arrays shaped like ``query``, ``key``,
+  ``value`` (the registry's ``init``): what decoding carries, without a summary's decays or
+  ``[K, H, H]`` transitions."""
+  p = checks.prepare_qkv(query, key, value, fn="init_gated_state")
+  lead = p.key.shape[:-3]
+  return GatedState(jnp.zeros(lead + p.key.shape[-2:] + p.value.shape[-1:],
+                              checks.accumulation_dtype(p.key.dtype)))
 
 
 def _gated_summarize(key: Any, value: Any, log_decay: Any, *, key_value_seq_lengths: Any = None,
@@ -1022,7 +1032,8 @@ def _register(name: str, *, delta: bool, inputs: tuple[tuple[str, str], ...], ga
   entry = functools.partial(_entry, name=name, inputs=tuple(n for n, _ in inputs), gates=gates)
   recurrence.register_recurrent(
       name, function=entry(function, key_at=1), reference=entry(reference, key_at=1),
-      init=functools.partial(_init_like, delta=delta, per_feature=per_feature),
+      init=_init_like,
+      identity=functools.partial(_identity_like, delta=delta, per_feature=per_feature),
       step=entry(step, key_at=2), summarize=entry(summarize, key_at=0),
       implementations=DELTA_IMPLEMENTATIONS if delta else GATED_IMPLEMENTATIONS,
       noncausal_only=frozenset(), supports_noncausal=False, extra_inputs=inputs,

@@ -388,7 +388,7 @@ def _context_parallel(query, key, value, lengths, arrays, inputs, *, attention, 
     local_lengths = jnp.clip(lengths - i * L, 0, L)
     summary = streaming.summarize(k, v, key_value_seq_lengths=local_lengths, **per_token,
                                   **accepted(streaming.summarize, opts))
-    empty = streaming.init(q, k, v, **accepted(streaming.init, opts))
+    empty = streaming.empty_summary(q, k, v, **accepted(streaming.empty_summary, opts))
     prefix = exclusive_prefix(summary, empty, streaming.combine, axis_name, P_)
     if is_causal:
       return spec.function(q, k, v, is_causal=True, key_value_seq_lengths=local_lengths,

@@ -689,7 +689,8 @@ def register_recurrent(name: str, *, function: Callable[..., Any], reference: Ca
                        bind: Callable[..., Any] | None = None,
                        combine: Callable[..., Any] = combine_states,
                        supports_noncausal: bool = True,
-                       extra_inputs: tuple[tuple[str, str], ...] = ()) -> None:
+                       extra_inputs: tuple[tuple[str, str], ...] = (),
+                       identity: Callable[..., Any] | None = None) -> None:
   """Registers a variant on this core: how it is chosen, streamed and combined.
 
   ``bind(fn, head_dim_at=0)`` turns each entry point into the registered one
@@ -698,7 +699,8 @@ def register_recurrent(name: str, *, function: Callable[..., Any], reference: Ca
   ``combine`` composes the states ``summarize`` returns (default: the kernel
   families' :func:`combine_states`); ``extra_inputs`` are per-token inputs
   (gates) that every entry point takes as keyword arguments, ``step`` one
-  token's worth (see ``AttentionSpec.extra_inputs``).
+  token's worth (see ``AttentionSpec.extra_inputs``); ``identity`` builds the
+  summary of no keys where it is not ``init``'s decoding state.
   """
   bind = bind or (lambda fn, head_dim_at=0: fn)
   register_attention(AttentionSpec(
@@ -710,7 +712,8 @@ def register_recurrent(name: str, *, function: Callable[..., Any], reference: Ca
       noncausal_only=noncausal_only,
       supports_noncausal=supports_noncausal,
       streaming=StreamingSpec(init=bind(init), step=bind(step, 1), summarize=bind(summarize),
-                              combine=combine),
+                              combine=combine,
+                              identity=None if identity is None else bind(identity)),
       weights=None if weights is None else bind(weights),
       params=params,
       extra_inputs=extra_inputs,

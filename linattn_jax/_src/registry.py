@@ -92,6 +92,10 @@ class StreamingSpec:
     combine: with ``summarize``, ``combine(earlier, later) -> state``, the
       state of ``earlier``'s keys followed by ``later``'s; associative, so that
       summaries of spans (chunks, devices) combine into the summary of all.
+    identity: ``identity(query, key, value, **options) -> state``, the summary
+      of no keys (``combine``'s identity), where it holds more than decoding
+      needs (the gated recurrences' summaries also hold their spans' decays or
+      transitions); None: ``init``'s state is the identity.
 
   Options are filtered by name to those each function accepts.
 
@@ -118,6 +122,12 @@ class StreamingSpec:
   state_passing: bool = True
   summarize: Callable[..., Any] | None = None
   combine: Callable[..., Any] | None = None
+  identity: Callable[..., Any] | None = None
+
+  @property
+  def empty_summary(self) -> Callable[..., Any]:
+    """``identity``, or ``init`` where the state is its own summary."""
+    return self.identity or self.init
 
 
 @dataclasses.dataclass(frozen=True)

@@ -288,18 +288,27 @@ def test_summaries_are_the_span_maps_and_combine_associatively(name):
 
 @pytest.mark.parametrize("name", ["gla", "gated_delta_net"])
 def test_steps_from_the_empty_summary_leave_the_summary_of_their_tokens(name):
-  """``init`` is the identity map; each ``step`` composes one token into it."""
+  """``identity`` is the identity map; each ``step`` composes one token into it. Decoding
+  starts from ``init``, the bare ``[B, K, H, D]`` state, and steps to the same outputs."""
   spec = la.get_spec(name)
   stream = spec.streaming
   q, k, v, g, beta, _ = inputs(T=6, S=6, per_feature=name == "gla")
   gates = per_token_inputs(name, g, beta)
-  state, outs = stream.init(q, k, v), []
+  decoded = stream.init(q, k, v)
+  assert type(decoded) is la.GatedState and decoded.kv.shape == (2, 2, 8, 6)
+  for t in range(6):
+    decoded, out = stream.step(decoded, q[:, t], k[:, t], v[:, t],
+                               **{n: x[:, t] for n, x in gates.items()})
+    assert type(decoded) is la.GatedState
+  state, outs = stream.identity(q, k, v), []
   for t in range(6):
     state, out = stream.step(state, q[:, t], k[:, t], v[:, t],
                              **{n: x[:, t] for n, x in gates.items()})
     outs.append(out)
-  want_out, _ = recurrence(q, k, v, log_decay=g, beta=beta if name == "gated_delta_net" else None)
+  want_out, want_state = recurrence(q, k, v, log_decay=g,
+                                   beta=beta if name == "gated_delta_net" else None)
   chex.assert_trees_all_close(jnp.stack(outs, 1), want_out, atol=2e-5, rtol=2e-5)
+  chex.assert_trees_all_close((out, decoded.kv), (outs[-1], want_state), atol=2e-5, rtol=2e-5)
   chex.assert_trees_all_close(tuple(state), tuple(stream.summarize(k, v, **gates)),
                               atol=2e-5, rtol=2e-5)
 
