@@ -310,16 +310,12 @@ def _with_named_inputs(fn: Callable[..., jax.Array], names: Sequence[str]) -> Ca
 
 
 def gate_inputs(config: Config, case: Case, length: int) -> tuple[jax.Array, ...]:
-  """A variant's per-token inputs, seeded: log-decays ``log σ(x) / 16`` (GLA's scale,
-  about 0.96 per step) and write strengths ``β = σ(x)``, x standard normal."""
+  """A variant's per-token inputs, seeded (see ``common.gate_from_normal``)."""
   rng = np.random.default_rng(_SEED + 1)
   shapes = linattn_jax.get_spec(case.variant).extra_input_shapes(
       (config.batch, length, config.kv_heads, config.head_dim))
-  arrays = []
-  for name, shape in shapes.items():
-    x = jnp.asarray(rng.standard_normal(shape, np.float32))
-    arrays.append(jax.nn.log_sigmoid(x) / 16 if name == "log_decay" else jax.nn.sigmoid(x))
-  return tuple(arrays)
+  return tuple(common.gate_from_normal(name, jnp.asarray(rng.standard_normal(shape, np.float32)))
+               for name, shape in shapes.items())
 
 
 def dense_twin(config: Config, case: Case) -> jax.Array:

@@ -12,6 +12,7 @@ import pathlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 from absl import app, flags
 
 import linattn_jax as la
@@ -65,6 +66,12 @@ def run(main: Callable[[Sequence[str]], None]) -> None:
       raise SystemExit(f"Error: {e}\n"
                        "Pass --helpshort or --helpfull to see help on flags.") from None
   app.run(main_in_one_line)
+
+
+def gate_from_normal(name: str, x: Any) -> Any:
+  """A per-token input from standard normal draws ``x``: a log-decay ``log σ(x) / 16``
+  (GLA's scale, about 0.96 per step) or a write strength ``β = σ(x)``."""
+  return jax.nn.log_sigmoid(x) / 16 if name == "log_decay" else jax.nn.sigmoid(x)
 
 
 def value_dim() -> int:

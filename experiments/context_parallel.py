@@ -312,8 +312,8 @@ def max_length(mesh: jax.sharding.Mesh) -> list[dict[str, Any]]:
 
 
 def _run(fn: Callable[..., Any], T: int, sharding: Any) -> dict[str, Any]:
-  """Seeded normal q, v and keys of norm about 1 (a delta rule's writes stay bounded);
-  log-decays ``log σ(x) / 16`` and betas ``σ(x)`` for x normal."""
+  """Seeded normal q, v and keys of norm about 1 (a delta rule's writes stay bounded), and
+  gates from normal draws (``common.gate_from_normal``)."""
   dtype = jnp.dtype(common.DTYPE.value)
   shapes = _shapes(T)
 
@@ -322,8 +322,7 @@ def _run(fn: Callable[..., Any], T: int, sharding: Any) -> dict[str, Any]:
     x = {name: jax.random.normal(jax.random.fold_in(key, i), s, jnp.float32)
          for i, (name, s) in enumerate(shapes.items())}
     q, k, v = x.pop("q"), x.pop("k") / math.sqrt(shapes["k"][-1]), x.pop("v")
-    gates = {name: jax.nn.log_sigmoid(g) / 16 if name == "log_decay" else jax.nn.sigmoid(g)
-             for name, g in x.items()}
+    gates = {name: common.gate_from_normal(name, g) for name, g in x.items()}
     return q.astype(dtype), k.astype(dtype), v.astype(dtype), gates
 
   q, k, v, gates = jax.jit(make, out_shardings=sharding)(common.SEED.value)
