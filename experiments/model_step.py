@@ -9,7 +9,9 @@ under ``jax.jit`` on the split state (``nnx.split``):
 * ``ours``: ``linattn_jax.nn.MultiHeadAttention(attention=name)``;
 * ``flax``: ``flax.nnx.MultiHeadAttention`` whose ``attention_fn`` is
   ``nn.as_flax_attention_fn(get_attention(name, **options))`` (a variant's
-  random projection is the one layer (a) drew, passed as (a) passes it);
+  random projection is the one layer (a) drew, passed as (a) passes it). Not for
+  the gated and delta-rule variants: their per-token gates are projected by our
+  layer, and Flax's ``attention_fn`` has no argument to take them;
 * ``identity``: the same projections with the attention replaced by
   ``v + q ⊙ k`` (elementwise), the cost floor of a layer. The product keeps
   the query and key projections alive and gives the three projections
@@ -243,13 +245,20 @@ def time_alternating(calls: Mapping[str, tuple[Any, tuple]], *, warmup: int,
   return times
 
 
+def models_of(attention: str) -> tuple[str, ...]:
+  """The ``MODELS`` that can run ``attention``: Flax's layer has no per-token gate inputs
+  (the gated and delta-rule variants' ``extra_inputs``), so those run ours and identity."""
+  return ("ours", "identity") if la.get_spec(attention).extra_inputs else MODELS
+
+
 def add_ratios(record: dict[str, Any]) -> None:
-  """Medians and the ratios (a)/(c), (b)/(c), (a)/(b) of a timed record."""
-  for model in MODELS:
-    record[f"{model}_s"] = statistics.median(record["times_s"][model])
+  """Medians and the ratios (a)/(c), (b)/(c), (a)/(b) of a timed record (those it has)."""
+  for model, times in record["times_s"].items():
+    record[f"{model}_s"] = statistics.median(times)
   record["ours_vs_identity"] = record["ours_s"] / record["identity_s"]
-  record["flax_vs_identity"] = record["flax_s"] / record["identity_s"]
-  record["ours_vs_flax"] = record["ours_s"] / record["flax_s"]
+  if "flax_s" in record:
+    record["flax_vs_identity"] = record["flax_s"] / record["identity_s"]
+    record["ours_vs_flax"] = record["ours_s"] / record["flax_s"]
 
 
 def dump_hlo(config: Config, compiled: Any, name: str) -> None:
@@ -278,7 +287,7 @@ def run(config: Config) -> dict[str, Any]:
                                 "length": length, "status": "ok"}
       try:
         calls, memory, compile_s = {}, {}, {}
-        for kind in MODELS:
+        for kind in models_of(name):
           logging.info("compiling %s %s T=%d", name, kind, length)
           step = (identity if kind == "identity"
                   else compiled_step(make_model(config, kind, name, length), batch))
