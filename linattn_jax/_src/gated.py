@@ -57,7 +57,6 @@ GatedImplementation = Literal["reference", "scan", "associative_scan", "chunked"
 GATED_IMPLEMENTATIONS: tuple[str, ...] = typing.get_args(GatedImplementation)
 DeltaImplementation = Literal["reference", "scan", "chunked"]
 DELTA_IMPLEMENTATIONS: tuple[str, ...] = typing.get_args(DeltaImplementation)
-DEFAULT_CHUNK_SIZE = 64
 
 
 class GatedState(NamedTuple):
@@ -510,7 +509,7 @@ def _run(query, key, value, log_decay, beta, *, scale, is_causal, key_value_seq_
                      "output reads the state of the keys up to its own position.")
   implementation = checks.check_implementation(
       implementation, choices=choices, is_causal=True, fn=fn) or "chunked"
-  chunk_size = checks.check_positive_int(chunk_size, name="chunk_size", fn=fn)
+  chunk_size = recurrence.check_chunk_size(chunk_size, fn=fn)
   out, state = _attention(query, key, value, log_decay, beta, scale, key_value_seq_lengths,
                           initial_state, delta=beta is not None, implementation=implementation,
                           chunk_size=chunk_size, return_state=bool(return_state), fn=fn)
@@ -529,7 +528,7 @@ def gated_linear_attention(
     initial_state: GatedState | None = None,
     return_state: bool = False,
     implementation: GatedImplementation | None = None,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: int | None = None,
 ) -> jax.Array | tuple[jax.Array, GatedState]:
   """Linear attention with a decaying state (RetNet, simple GLA, Mamba2, GLA).
 
@@ -555,6 +554,7 @@ def gated_linear_attention(
       decay matrix Γ), ``"scan"`` (token by token), ``"associative_scan"``, or
       ``"chunked"`` (the default: chunkwise parallel, O(T) memory).
     chunk_size: positions per chunk of ``"scan"``, ``"associative_scan"`` and ``"chunked"``.
+      None: the default backend's measured best, 64 on CPU and 256 on GPU.
 
   Returns:
     ``[B, T, N, D]`` in the input dtype; with ``return_state`` the pair
@@ -597,7 +597,7 @@ def delta_rule_attention(
     initial_state: GatedState | None = None,
     return_state: bool = False,
     implementation: DeltaImplementation | None = None,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: int | None = None,
 ) -> jax.Array | tuple[jax.Array, GatedState]:
   """The delta rule (DeltaNet; Gated DeltaNet with ``log_decay``).
 
@@ -623,6 +623,7 @@ def delta_rule_attention(
       (token by token on ``lax.scan``) or ``"chunked"`` (the default: the
       WY/UT chunk form, one unit triangular inverse per chunk).
     chunk_size: positions per chunk of ``"scan"`` and ``"chunked"``.
+      None: the default backend's measured best, 64 on CPU and 256 on GPU.
 
   Returns:
     ``[B, T, N, D]`` in the input dtype; with ``return_state`` the pair
@@ -865,7 +866,7 @@ def _reference_call(query, key, value, log_decay, beta, options, *, fn):
   if "implementation" in options:
     raise ValueError(f"{fn}: takes no implementation (it is the reference).")
   defaults = dict(scale=None, is_causal=True, key_value_seq_lengths=None, initial_state=None,
-                  return_state=False, chunk_size=DEFAULT_CHUNK_SIZE)
+                  return_state=False, chunk_size=None)
   unknown = set(options) - set(defaults)
   if unknown:
     raise ValueError(f"{fn}: unknown options {sorted(unknown)}.")
@@ -950,7 +951,7 @@ def _init_like(query: Any, key: Any, value: Any) -> GatedState:
 
 
 def _gated_summarize(key: Any, value: Any, log_decay: Any, *, key_value_seq_lengths: Any = None,
-                     chunk_size: int = DEFAULT_CHUNK_SIZE) -> GatedSummary:
+                     chunk_size: int | None = None) -> GatedSummary:
   """The :class:`GatedSummary` of ``key [B, S, K, H]`` / ``value [B, S, K, D]``."""
   identity = _identity(key, value, delta=False,
                        per_feature=jnp.ndim(log_decay) == jnp.ndim(key))
@@ -961,7 +962,7 @@ def _gated_summarize(key: Any, value: Any, log_decay: Any, *, key_value_seq_leng
 
 def _delta_summarize(key: Any, value: Any, beta: Any, *, log_decay: Any = None,
                      key_value_seq_lengths: Any = None,
-                     chunk_size: int = DEFAULT_CHUNK_SIZE) -> DeltaSummary:
+                     chunk_size: int | None = None) -> DeltaSummary:
   """The :class:`DeltaSummary` of ``key [B, S, K, H]`` / ``value [B, S, K, D]``: ``A`` is the
   product of the chunks' WY transitions, one per ``chunk_size`` keys."""
   return recurrence.summarize_keys(delta_rule_attention, key, value, beta=beta,

@@ -50,7 +50,7 @@ from linattn_jax._src.linear import (
     feature_dim,
     kernel_weights,
 )
-from linattn_jax._src.recurrence import DEFAULT_CHUNK_SIZE, DEFAULT_EPS
+from linattn_jax._src.recurrence import DEFAULT_EPS
 from linattn_jax._src.registry import (
     ParamSpec,
 )
@@ -115,7 +115,7 @@ def performer_attention(
     kernel: str = "positive",
     eps: float = DEFAULT_EPS,
     implementation: LinearImplementation | None = None,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: int | None = None,
     initial_state: PerformerState | None = None,
     return_state: bool = False,
 ) -> jax.Array | tuple[jax.Array, PerformerState]:
@@ -146,7 +146,8 @@ def performer_attention(
     implementation: as in :func:`linear_attention`: ``"reference"``,
       ``"parallel"`` (non-causal only), ``"scan"``, ``"associative_scan"``,
       ``"chunked"``, or None (``"chunked"`` if causal, else ``"parallel"``).
-    chunk_size: C for the causal forms.
+    chunk_size: C for the causal forms (None: 64 on CPU, 256 on GPU; see
+      :func:`linear_attention`).
     initial_state: a :class:`PerformerState` summarising earlier keys (seen
       by every query); splitting a sequence and carrying it equals one pass
       with the same projection.
@@ -253,7 +254,7 @@ def performer_attention_reference(
   return _performer_attention(
       query, key, value, projection=projection, is_causal=is_causal,
       key_value_seq_lengths=key_value_seq_lengths, kernel=kernel, eps=eps,
-      implementation="reference", chunk_size=DEFAULT_CHUNK_SIZE, initial_state=initial_state,
+      implementation="reference", chunk_size=None, initial_state=initial_state,
       return_state=return_state, fn="performer_attention_reference")
 
 

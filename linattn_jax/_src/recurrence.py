@@ -83,7 +83,14 @@ from linattn_jax._src.online_softmax import exponent_shift, safe_divide
 from linattn_jax._src.registry import AttentionSpec, ParamSpec, StreamingSpec, register_attention
 
 Read = Literal["kernel", "per_feature"]
+# C of the kernel and gated chunked forms when ``chunk_size=None``, by
+# ``jax.default_backend()``. CPU (2 cores): 64 makes causal linear_elu
+# forward+backward fastest (README, "Chunk size"). GPU (H100, float32, B = 1,
+# 8 heads of 64, T = 16384, forward+backward): linear_elu 14.4 / 8.4 / 5.1 ms,
+# gla 23.1 / 13.4 / 8.9 ms and gated_delta_net 38.6 / 27.7 / 21.2 ms at
+# C = 64 / 128 / 256. TPU: not measured, so the CPU value.
 DEFAULT_CHUNK_SIZE = 64
+_BACKEND_CHUNK_SIZES = {"gpu": 256}
 # Per-feature log-scales (Shen, Heinsen) carry more work per row of a chunk
 # (cumulative maxima, per-feature coefficients); on a 2-core CPU, causal Heinsen
 # forward+backward at T=16384 took 639 ms with C=32, 690 ms with 64, 806 ms with 128.
@@ -624,10 +631,22 @@ class Family:
   implementations: tuple[str, ...]
 
 
+def default_chunk_size() -> int:
+  """The chunk size C that ``chunk_size=None`` means on the default backend (see above)."""
+  return _BACKEND_CHUNK_SIZES.get(jax.default_backend(), DEFAULT_CHUNK_SIZE)
+
+
+def check_chunk_size(chunk_size: int | None, *, fn: str) -> int:
+  """``chunk_size``, or the backend's default for None; a ValueError if not a positive int."""
+  if chunk_size is None:
+    return default_chunk_size()
+  return checks.check_positive_int(chunk_size, name="chunk_size", fn=fn)
+
+
 def recurrent_attention(
     family: Family, query: Any, key: Any, value: Any, params: Any = (), *, is_causal: bool,
-    key_value_seq_lengths: Any, eps: float, implementation: str | None, chunk_size: int,
-    initial_state: Any, return_state: bool = False, fn: str,
+    key_value_seq_lengths: Any, eps: float, implementation: str | None,
+    chunk_size: int | None, initial_state: Any, return_state: bool = False, fn: str,
 ) -> jax.Array | tuple[jax.Array, Any]:
   """The shared entry of every recurrent variant: ``out [B, T, N, D]``, or with
   ``return_state`` the pair ``(out, final state)``.
@@ -647,7 +666,7 @@ def recurrent_attention(
   implementation = checks.check_implementation(
       implementation, choices=family.implementations, is_causal=is_causal, fn=fn)
   implementation = implementation or ("chunked" if is_causal else "parallel")
-  chunk_size = checks.check_positive_int(chunk_size, name="chunk_size", fn=fn)
+  chunk_size = check_chunk_size(chunk_size, fn=fn)
   if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or eps < 0:
     raise ValueError(f"{fn}: eps must be a non-negative float; got {eps!r}.")
   out, state = _recurrent_attention(
