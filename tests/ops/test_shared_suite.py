@@ -36,8 +36,8 @@ from _helpers import (
   TINY,
   Shape,
   assert_finite_gradients,
-  assert_gradients_match_oracle,
   assert_matches_oracle,
+  assert_output_and_gradients_match_oracle,
   assert_stress_output_matches_oracle,
   build,
   cotangent,
@@ -129,9 +129,8 @@ def test_output_and_gradients_match_reference(case, is_causal, shape, padded, se
     assert out.shape == (shape.B, shape.T, shape.N, shape.D)
     assert out.dtype == q.dtype
     msg = f"seed {seed}:"
-    assert_matches_oracle(out, spec, q, k, v, is_causal=is_causal, lengths=lengths, err_msg=msg)
-    assert_gradients_match_oracle(grads, spec, q, k, v, is_causal=is_causal, lengths=lengths,
-                                  ct=ct, err_msg=msg)
+    assert_output_and_gradients_match_oracle(out, grads, spec, q, k, v, is_causal=is_causal,
+                                             lengths=lengths, ct=ct, err_msg=msg)
 
 
 SPECS = sorted({spec.name: spec for spec, _ in CASES}.values(), key=lambda spec: spec.name)

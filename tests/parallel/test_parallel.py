@@ -22,8 +22,7 @@ from _helpers import (
   GRAD_TOLERANCE,
   TOLERANCE,
   Shape,
-  assert_gradients_match_oracle,
-  assert_matches_oracle,
+  assert_output_and_gradients_match_oracle,
   cotangent,
   deriving_inputs,
   kv_lengths,
@@ -68,10 +67,8 @@ def _value_and_grads(fn, q, k, v, ct):
 def _check(spec, got, got_grads, single, single_grads, q, k, v, ct, *, is_causal, lengths,
            options):
   """Judged against the oracle, and close to the single-device function."""
-  assert_matches_oracle(got, spec, q, k, v, is_causal=is_causal, lengths=lengths,
-                        options=options)
-  assert_gradients_match_oracle(got_grads, spec, q, k, v, is_causal=is_causal, lengths=lengths,
-                                ct=ct, options=options)
+  assert_output_and_gradients_match_oracle(got, got_grads, spec, q, k, v, is_causal=is_causal,
+                                           lengths=lengths, ct=ct, options=options)
   if spec.name != "random_fourier":  # Signed features: the oracle's judge bounds those rows.
     chex.assert_trees_all_close(got, single, atol=TOLERANCE[jnp.dtype(jnp.float32)][0],
                                 rtol=TOLERANCE[jnp.dtype(jnp.float32)][1])

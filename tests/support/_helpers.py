@@ -412,8 +412,12 @@ def assert_matches_oracle(got, spec, q, k, v, *, is_causal, lengths=None, option
   the others against the oracle in the input's precision, within
   ``TOLERANCE`` (their normalisers are sums of positive terms).
   """
-  dtype = jnp.dtype(q.dtype)
   want, weights = oracle_output(spec, options or {}, q, k, v, is_causal, lengths)
+  _judge_output(got, want, weights, v, err_msg)
+
+
+def _judge_output(got, want, weights, v, err_msg: str) -> None:
+  dtype = jnp.dtype(v.dtype)
   if weights is None:
     assert_close(got, want, dtype, err_msg=err_msg)
     return
@@ -468,13 +472,6 @@ def _signed(weights) -> bool:
                      > np.abs(np.asarray(weights.weights)) * (1 + 1e-9)))
 
 
-def _loss_of(fn, is_causal, lengths, ct):
-  def loss(q, k, v):
-    out = fn(q, k, v, is_causal=is_causal, key_value_seq_lengths=lengths)
-    return jnp.sum(out.astype(ct.dtype) * ct)
-  return loss
-
-
 def gradient_sensitivity(spec, what, q, k, v, *, is_causal, lengths, ct):
   """``Σ_p |∂g/∂p|`` for each gradient element (float64; see above)."""
   G = q.shape[2] // k.shape[2]
@@ -502,11 +499,13 @@ def gradient_sensitivity(spec, what, q, k, v, *, is_causal, lengths, ct):
                for g, js in zip((q, k, v), jacobian, strict=True))
 
 
-def oracle_gradients(spec, options, q, k, v, is_causal, lengths, ct, with_sensitivity=True):
-  """``(grads, sensitivity)``: the oracle's gradients of ``Σ ct·out`` for ``q, k, v``.
+def oracle_output_and_gradients(spec, options, q, k, v, is_causal, lengths, ct,
+                                with_sensitivity=True):
+  """``(out, weights, grads, sensitivity)``: the oracle's output and its gradients of
+  ``Σ ct·out`` for ``q, k, v``, from one compiled program.
 
-  In the input's precision for table-judged variants (sensitivity None);
-  in float64 on the same rounded inputs otherwise, with
+  In the input's precision for table-judged variants (weights and
+  sensitivity None); in float64 on the same rounded inputs otherwise, with
   :func:`gradient_sensitivity` for signed weights (else zeros).
   """
   what = spec.what_options({**suite_options(spec), **options})
@@ -515,19 +514,22 @@ def oracle_gradients(spec, options, q, k, v, is_causal, lengths, ct, with_sensit
     oracle = spec.build_reference(**what)
 
     def run(q, k, v, lengths, ct):
+      out, vjp = jax.vjp(lambda q, k, v: oracle(q, k, v, is_causal=is_causal,
+                                                key_value_seq_lengths=lengths), q, k, v)
+      grads = vjp(ct.astype(out.dtype))
       if spec.weights is None:
-        return jax.grad(_loss_of(oracle, is_causal, lengths, ct), argnums=(0, 1, 2))(q, k, v), None
-      grads = jax.grad(_loss_of(oracle, is_causal, lengths, ct), argnums=(0, 1, 2))(q, k, v)
-      return grads, spec.weights(q, k, is_causal=is_causal, key_value_seq_lengths=lengths,
-                                 **what)
+        return out, grads, None
+      return out, grads, spec.weights(q, k, is_causal=is_causal, key_value_seq_lengths=lengths,
+                                      **what)
     return run
 
-  run = _oracle_program(spec, what, "gradients", is_causal, make)
+  run = _oracle_program(spec, what, "output_and_gradients", is_causal, make)
   if spec.weights is None:
-    return run(q, k, v, lengths, jnp.asarray(ct, jnp.float32))[0], None
+    out, grads, _ = run(q, k, v, lengths, jnp.asarray(ct, q.dtype))
+    return out, None, grads, None
   with jax.enable_x64(True):
     q, k, v, ct = (jnp.asarray(x, jnp.float64) for x in (q, k, v, ct))
-    grads, weights = run(q, k, v, lengths, ct)
+    out, grads, weights = run(q, k, v, lengths, ct)
     if with_sensitivity and _signed(weights):
       sensitivity = _oracle_program(
           spec, what, "sensitivity", is_causal,
@@ -537,18 +539,21 @@ def oracle_gradients(spec, options, q, k, v, is_causal, lengths, ct, with_sensit
       sensitivity = tuple(np.asarray(x) for x in sensitivity)
     else:
       sensitivity = tuple(np.zeros(g.shape) for g in grads)
-    return tuple(np.asarray(g) for g in grads), sensitivity
+    return (np.asarray(out), jax.tree.map(np.asarray, weights),
+            tuple(np.asarray(g) for g in grads), sensitivity)
 
 
-def assert_gradients_match_oracle(grads, spec, q, k, v, *, is_causal, lengths, ct,
-                                  options=None, err_msg: str = "") -> None:
-  """Judges gradients of ``Σ ct·out`` for ``q, k, v`` against the oracle's.
-
-  Within ``GRAD_TOLERANCE``, plus for signed weights ``γ Σ_p |∂g/∂p|``
-  (see :func:`gradient_sensitivity`) against the float64 oracle.
+def assert_output_and_gradients_match_oracle(got, grads, spec, q, k, v, *, is_causal, lengths,
+                                             ct, options=None, err_msg: str = "") -> None:
+  """Judges an output as :func:`assert_matches_oracle` does, and its gradients of
+  ``Σ ct·out`` for ``q, k, v`` against the oracle's (one compiled oracle for both):
+  within ``GRAD_TOLERANCE``, plus for signed weights ``γ Σ_p |∂g/∂p|`` (see
+  :func:`gradient_sensitivity`) against the float64 oracle.
   """
+  want, weights, wants, sensitivity = oracle_output_and_gradients(
+      spec, options or {}, q, k, v, is_causal, lengths, ct)
+  _judge_output(got, want, weights, v, err_msg)
   dtype = jnp.dtype(q.dtype)
-  wants, sensitivity = oracle_gradients(spec, options or {}, q, k, v, is_causal, lengths, ct)
   atol, rtol = GRAD_TOLERANCE[dtype]
   for name, g, want in zip("qkv", grads, wants, strict=True):
     assert g.dtype == dtype
@@ -574,7 +579,8 @@ def assert_finite_gradients(grads, spec, q, k, v, *, is_causal, lengths, ct,
   if all(finite) or spec.weights is None:
     assert all(finite), f"{err_msg} d{'qkv'[finite.index(False)]} not finite"
     return
-  wants, _ = oracle_gradients(spec, {}, q, k, v, is_causal, lengths, ct, with_sensitivity=False)
+  _, _, wants, _ = oracle_output_and_gradients(spec, {}, q, k, v, is_causal, lengths, ct,
+                                               with_sensitivity=False)
   limit = float(jnp.finfo(dtype).max) / 2
   for name, g, want in zip("qkv", grads, wants, strict=True):
     bad = ~np.isfinite(np.asarray(g, np.float64)) & (np.abs(want) < limit)
