@@ -116,6 +116,21 @@ def test_per_token_inputs_are_checked_by_name_and_shape():
     cp(beta=beta, log_decay=jnp.zeros(k.shape))
 
 
+def test_unbatched_inputs_and_gates_equal_the_batched_call():
+  """Unbatched ``[T, N, H]`` queries take unbatched ``[S, K]`` gates and give the batched
+  call's first row (the gates are padded and split with the keys either way)."""
+  q, k, v = make_qkv(SHAPE)
+  beta = jax.nn.sigmoid(k[..., 0])
+  log_decay = -jax.nn.softplus(k[..., 1])
+  k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+  cp = jax.jit(functools.partial(parallel.context_parallel_attention, attention="gated_delta_net",
+                                 mesh=mesh(), axis_name="seq"))
+  batched = cp(q, k, v, beta=beta, log_decay=log_decay)
+  one = cp(q[0], k[0], v[0], beta=beta[0], log_decay=log_decay[0])
+  assert one.shape == (SHAPE.T, SHAPE.N, SHAPE.D)
+  chex.assert_trees_all_close(one, batched[0], atol=1e-6, rtol=1e-6)
+
+
 @pytest.mark.parametrize("is_causal, load_balance", [(True, True), (True, False),
                                                      (False, True)],
                          ids=["causal-zigzag", "causal-contiguous", "noncausal"])
