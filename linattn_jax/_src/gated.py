@@ -49,7 +49,7 @@ import numpy as np
 from jax import lax
 from jax.typing import ArrayLike
 
-from linattn_jax._src import checks, recurrence
+from linattn_jax._src import checks, recurrence, registry
 from linattn_jax._src.blocks import pad_axis
 from linattn_jax._src.masks import length_predicate
 
@@ -983,10 +983,13 @@ def _fixed_log_decays(key: Any) -> jax.Array:
   return jnp.broadcast_to(jnp.asarray(log_gamma, dtype), shape[:-1])
 
 
-def _entry(fn: Any, *, name: str, key_at: int, inputs: tuple[str, ...], gates: Any) -> Any:
+def _entry(fn: Any, *, name: str, key_at: int, inputs: tuple[tuple[str, str], ...],
+           gates: Any = None) -> Any:
   """``fn`` as registered under ``name``: its per-token inputs are the keyword-only
-  ``inputs``, which ``gates(key, **inputs)`` turns into ``fn``'s ``log_decay`` / ``beta``
-  (``key``: the positional argument at ``key_at``). Gates outside ``inputs`` are refused."""
+  ``inputs`` (names and declared shapes), checked against the key (the positional
+  argument at ``key_at``) and passed on as ``fn``'s ``log_decay`` / ``beta``; a variant
+  without inputs computes them as ``gates(key)``. Gates outside ``inputs`` are refused."""
+  declared, inputs = inputs, tuple(n for n, _ in inputs)
   signature = inspect.signature(fn)
   params = [p for p in signature.parameters.values() if p.name not in ("log_decay", "beta")]
   positional = [p for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
@@ -1002,26 +1005,17 @@ def _entry(fn: Any, *, name: str, key_at: int, inputs: tuple[str, ...], gates: A
       raise ValueError(f"{name}: takes the per-token input(s) {list(inputs)} as keyword "
                        f"arguments; missing {missing}, not taken {refused}.")
     key = args[key_at] if len(args) > key_at else kwargs.get("key")
-    return fn(*args, **gates(key, **given), **kwargs)
+    if gates is not None:
+      return fn(*args, **gates(key), **kwargs)
+    if jnp.ndim(key) >= 2:  # Else the function names the ranks it needs.
+      given = registry.check_extra_inputs(name, declared, given, jnp.shape(key))
+    return fn(*args, **given, **kwargs)
 
   entry.__signature__ = signature.replace(parameters=positional + extra + rest)
   return entry
 
 
-def _checked_log_decay(name: str, *, per_feature: bool) -> Any:
-  """``gates(key, log_decay)`` for a variant whose decays are per head or per key feature."""
-  def gates(key: Any, log_decay: Any) -> dict[str, Any]:
-    want = jnp.ndim(key) - (0 if per_feature else 1)
-    if jnp.ndim(log_decay) != want:
-      what = "have key's shape (one decay per key feature)" if per_feature else (
-          "have key's shape without its last axis H (one decay per head)")
-      raise ValueError(f"{name}: log_decay must {what}; got {jnp.shape(log_decay)} for key "
-                       f"{jnp.shape(key)}.")
-    return {"log_decay": log_decay}
-  return gates
-
-
-def _register(name: str, *, delta: bool, inputs: tuple[tuple[str, str], ...], gates: Any,
+def _register(name: str, *, delta: bool, inputs: tuple[tuple[str, str], ...], gates: Any = None,
               per_feature: bool = False) -> None:
   if delta:
     function, reference, step, summarize = (delta_rule_attention, delta_rule_attention_reference,
@@ -1030,7 +1024,7 @@ def _register(name: str, *, delta: bool, inputs: tuple[tuple[str, str], ...], ga
     function, reference, step, summarize = (gated_linear_attention,
                                             gated_linear_attention_reference,
                                             gated_linear_attention_step, _gated_summarize)
-  entry = functools.partial(_entry, name=name, inputs=tuple(n for n, _ in inputs), gates=gates)
+  entry = functools.partial(_entry, name=name, inputs=inputs, gates=gates)
   recurrence.register_recurrent(
       name, function=entry(function, key_at=1), reference=entry(reference, key_at=1),
       init=_init_like,
@@ -1044,12 +1038,8 @@ def _register(name: str, *, delta: bool, inputs: tuple[tuple[str, str], ...], ga
 # RetNet: a fixed decay per head, no gate inputs.
 _register("retention", delta=False, inputs=(),
           gates=lambda key: {"log_decay": _fixed_log_decays(key)})
-_register("simple_gla", delta=False, inputs=(("log_decay", "[B, S, K]"),),
-          gates=_checked_log_decay("simple_gla", per_feature=False))
-_register("gla", delta=False, inputs=(("log_decay", "[B, S, K, H]"),),
-          gates=_checked_log_decay("gla", per_feature=True), per_feature=True)
-_register("delta_net", delta=True, inputs=(("beta", "[B, S, K]"),),
-          gates=lambda key, beta: {"beta": beta})
+_register("simple_gla", delta=False, inputs=(("log_decay", "[B, S, K]"),))
+_register("gla", delta=False, inputs=(("log_decay", "[B, S, K, H]"),), per_feature=True)
+_register("delta_net", delta=True, inputs=(("beta", "[B, S, K]"),))
 _register("gated_delta_net", delta=True,
-          inputs=(("beta", "[B, S, K]"), ("log_decay", "[B, S, K]")),
-          gates=lambda key, beta, log_decay: {"beta": beta, "log_decay": log_decay})
+          inputs=(("beta", "[B, S, K]"), ("log_decay", "[B, S, K]")))

@@ -231,15 +231,9 @@ def _per_token(spec: Any, inputs: dict[str, Any], p: checks.Prepared, key_shape:
                *, fn: str) -> dict[str, jax.Array]:
   """``spec``'s per-token inputs, each checked against its declared shape (e.g.
   ``[B, S, K]``; without B for unbatched keys) and batched."""
-  wants = spec.extra_input_shapes(key_shape)
-  out = {}
-  for name, shape in spec.extra_inputs:
-    x, want = jnp.asarray(inputs[name]), wants[name]
-    if x.shape != want or not jnp.issubdtype(x.dtype, jnp.floating):
-      raise ValueError(f"{fn}: {name} must be a float array {shape} = {want} for key "
-                       f"{key_shape}; got {x.dtype} {x.shape}.")
-    out[name] = x if p.batched else x[None]
-  return out
+  checked = spec.check_extra_inputs(inputs, key_shape, fn=fn)
+  return {name: jnp.asarray(x) if p.batched else jnp.asarray(x)[None]
+          for name, x in checked.items()}
 
 
 def _split_arrays(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -307,12 +307,14 @@ class AttentionSpec:
     >>> la.get_spec("gated_delta_net").extra_input_shapes((2, 16, 4, 8))
     {'beta': (2, 16, 4), 'log_decay': (2, 16, 4)}
     """
-    unknown = [shape for _, shape in self.extra_inputs if shape not in _EXTRA_INPUT_SHAPES]
-    if unknown:
-      raise ValueError(f"{self.name}: extra input shapes {unknown} are not among "
-                       f"{sorted(_EXTRA_INPUT_SHAPES)}.")
-    key_shape = tuple(key_shape)
-    return {name: _EXTRA_INPUT_SHAPES[shape](key_shape) for name, shape in self.extra_inputs}
+    return extra_input_shapes(self.name, self.extra_inputs, key_shape)
+
+  def check_extra_inputs(self, inputs: Mapping[str, Any], key_shape: Sequence[int], *,
+                         fn: str | None = None) -> dict[str, Any]:
+    """``inputs``' arrays for ``extra_inputs``, each checked to be a float array of its
+    declared shape for a key of shape ``key_shape``; a ValueError names the input and the
+    shapes otherwise."""
+    return check_extra_inputs(self.name, self.extra_inputs, inputs, key_shape, fn=fn)
 
   def build(self, **options: Any) -> AttentionFn:
     """The function with ``options`` bound, after checking their names."""
@@ -349,6 +351,33 @@ _EXTRA_INPUT_SHAPES: dict[str, Callable[[tuple[int, ...]], tuple[int, ...]]] = {
     "[B, S, K, H]": lambda key_shape: key_shape,
 }
 _REGISTRY: dict[str, AttentionSpec] = {}
+
+
+def extra_input_shapes(name: str, declared: Sequence[tuple[str, str]],
+                       key_shape: Sequence[int]) -> dict[str, tuple[int, ...]]:
+  """The shape of each ``(input, "[B, S, K]"-like shape)`` of ``declared`` for a key of
+  shape ``key_shape`` (with or without B, or one token's ``[B, K, H]``)."""
+  unknown = [shape for _, shape in declared if shape not in _EXTRA_INPUT_SHAPES]
+  if unknown:
+    raise ValueError(f"{name}: extra input shapes {unknown} are not among "
+                     f"{sorted(_EXTRA_INPUT_SHAPES)}.")
+  key_shape = tuple(key_shape)
+  return {input_name: _EXTRA_INPUT_SHAPES[shape](key_shape) for input_name, shape in declared}
+
+
+def check_extra_inputs(name: str, declared: Sequence[tuple[str, str]], inputs: Mapping[str, Any],
+                       key_shape: Sequence[int], *, fn: str | None = None) -> dict[str, Any]:
+  """The one check of a variant's declared per-token inputs (see
+  :meth:`AttentionSpec.check_extra_inputs`), for its registry entries and context
+  parallelism alike."""
+  wants = extra_input_shapes(name, declared, key_shape)
+  for input_name, shape in declared:
+    x = inputs[input_name]
+    if jnp.shape(x) != wants[input_name] or not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+      raise ValueError(f"{fn or name}: {input_name} must be a float array {shape} = "
+                       f"{wants[input_name]} for key {tuple(key_shape)}; got "
+                       f"{jnp.result_type(x)} {jnp.shape(x)}.")
+  return {input_name: inputs[input_name] for input_name, _ in declared}
 
 
 def _check_options(name: str, function: Callable[..., Any], options: Mapping[str, Any], *,

@@ -324,10 +324,12 @@ def test_registry_entries_take_their_per_token_inputs_by_keyword_and_check_them(
   q, k, v, g, beta, _ = inputs()
   with pytest.raises(ValueError, match=r"simple_gla: each call needs .*log_decay \[B, S, K\]"):
     la.get_attention("simple_gla")(q, k, v, is_causal=True)
-  with pytest.raises(ValueError, match=r"simple_gla: log_decay must have key's shape without its "
-                                       r"last axis H .*\(2, 13, 2, 8\) for key \(2, 13, 2, 8\)"):
+  with pytest.raises(ValueError, match=r"simple_gla: log_decay must be a float array \[B, S, K\] "
+                                       r"= \(2, 13, 2\) for key \(2, 13, 2, 8\); got float32 "
+                                       r"\(2, 13, 2, 8\)"):
     la.get_attention("simple_gla")(q, k, v, is_causal=True, log_decay=np.zeros(k.shape))
-  with pytest.raises(ValueError, match=r"gla: log_decay must have key's shape .*got \(2, 13, 2\)"):
+  with pytest.raises(ValueError, match=r"gla: log_decay must be a float array \[B, S, K, H\] .*"
+                                       r"got float32 \(2, 13, 2\)"):
     la.get_attention("gla")(q, k, v, is_causal=True, log_decay=g)
   with pytest.raises(ValueError, match=r"delta_net: .*not taken \['log_decay'\]"):
     la.get_spec("delta_net").function(q, k, v, is_causal=True, beta=beta, log_decay=g)
