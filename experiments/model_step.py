@@ -23,7 +23,8 @@ The three steps are timed in alternation, round by round and in rotating order
 ``benchmark.time_executable``:
 ``--warmup`` untimed calls each, then ``--repeats`` rounds; medians are
 reported, with the ratios ``ours_vs_identity`` (a)/(c), ``flax_vs_identity``
-(b)/(c) and ``ours_vs_flax`` (a)/(b). Defaults: ``DEFAULT_ATTENTIONS`` with
+(b)/(c) and ``ours_vs_flax`` (a)/(b) (the last two absent for the gated variants,
+which have no (b)). Defaults: ``DEFAULT_ATTENTIONS`` with
 ``DEFAULT_OPTIONS``; ``--options_by_attention`` (JSON ``{variant: {option:
 value}}``) overrides them, e.g. a ``chunk_size``. ``--heads`` defaults to
 ``--width / --head_dim``.

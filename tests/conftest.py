@@ -5,7 +5,8 @@ optimisation passes cost far more than running the result. Unless the
 caller sets ``XLA_FLAGS``, compile with them turned down and (jaxlib 0.10)
 with the CPU backend's elemental emitter instead of its newer fusion
 emitters, which compile such programs about 2.5x slower (measured on the
-suite's shapes).
+suite's shapes), and as one LLVM module per program rather than one split
+for parallel code generation (the two test workers already fill two cores).
 Every tolerance holds either way; to test the default code generation,
 run with e.g. ``XLA_FLAGS=`` (empty) set.
 
@@ -37,16 +38,17 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent / "support"))
 
 # XLA reads these when its first backend starts (after this import); an unknown flag
 # aborts the process, so the CPU flags measured on jaxlib 0.10 are set there only (0.11
-# dropped the elemental-emitter switch). One LLVM module per program instead of a split
-# for parallel code generation: the two test workers already fill the two cores, and the
-# split took 15% longer to compile the suite's programs.
+# dropped the elemental-emitter switch; the split count is unchecked there). One LLVM
+# module per program: with the split, the suite's programs took 15% longer to compile.
 _FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 if jaxlib.version.__version_info__ < (0, 11):
   _FAST_COMPILE_FLAGS += (" --xla_cpu_use_fusion_emitters=false"
                           " --xla_cpu_parallel_codegen_split_count=1")
 os.environ.setdefault("XLA_FLAGS", _FAST_COMPILE_FLAGS)
-# JAX reads its environment at import, so the precision is set through the config.
+# JAX reads its environment at import, so the precision is set through the config
+# here, and through the environment for the subprocesses the tests start.
 if "JAX_DEFAULT_MATMUL_PRECISION" not in os.environ:
+  os.environ["JAX_DEFAULT_MATMUL_PRECISION"] = "highest"
   jax.config.update("jax_default_matmul_precision", "highest")
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_numpy_rank_promotion", "raise")

@@ -631,15 +631,18 @@ class Family:
   implementations: tuple[str, ...]
 
 
-def default_chunk_size() -> int:
-  """The chunk size C that ``chunk_size=None`` means on the default backend (see above)."""
+def default_chunk_size(read: Read = "kernel") -> int:
+  """The chunk size C that ``chunk_size=None`` means (see above): by the default backend
+  (not the devices a call's arrays are on) for kernel reads, 32 for per-feature ones."""
+  if read == "per_feature":
+    return DEFAULT_PER_FEATURE_CHUNK_SIZE
   return _BACKEND_CHUNK_SIZES.get(jax.default_backend(), DEFAULT_CHUNK_SIZE)
 
 
-def check_chunk_size(chunk_size: int | None, *, fn: str) -> int:
-  """``chunk_size``, or the backend's default for None; a ValueError if not a positive int."""
+def check_chunk_size(chunk_size: int | None, *, read: Read = "kernel", fn: str) -> int:
+  """``chunk_size``, or the default for None; a ValueError if not a positive int."""
   if chunk_size is None:
-    return default_chunk_size()
+    return default_chunk_size(read)
   return checks.check_positive_int(chunk_size, name="chunk_size", fn=fn)
 
 
@@ -666,7 +669,7 @@ def recurrent_attention(
   implementation = checks.check_implementation(
       implementation, choices=family.implementations, is_causal=is_causal, fn=fn)
   implementation = implementation or ("chunked" if is_causal else "parallel")
-  chunk_size = check_chunk_size(chunk_size, fn=fn)
+  chunk_size = check_chunk_size(chunk_size, read=family.read, fn=fn)
   if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or eps < 0:
     raise ValueError(f"{fn}: eps must be a non-negative float; got {eps!r}.")
   out, state = _recurrent_attention(

@@ -371,6 +371,9 @@ def check_extra_inputs(name: str, declared: Sequence[tuple[str, str]], inputs: M
   :meth:`AttentionSpec.check_extra_inputs`), for its registry entries and context
   parallelism alike."""
   wants = extra_input_shapes(name, declared, key_shape)
+  missing = [f"{input_name} {shape}" for input_name, shape in declared if input_name not in inputs]
+  if missing:
+    raise ValueError(f"{fn or name}: missing the per-token input(s) {', '.join(missing)}.")
   for input_name, shape in declared:
     x = inputs[input_name]
     if jnp.shape(x) != wants[input_name] or not jnp.issubdtype(jnp.result_type(x), jnp.floating):

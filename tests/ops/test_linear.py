@@ -225,7 +225,9 @@ def test_chunk_size_none_is_the_backends_measured_default(fn, extra):
   """``chunk_size=None`` traces the program of the backend's C (64 on CPU, 256 on GPU);
   T = 80 spans two chunks of 64."""
   from linattn_jax._src import recurrence
+  # The values the README documents, stated here on their own.
   assert recurrence.default_chunk_size() == {"gpu": 256}.get(jax.default_backend(), 64)
+  assert recurrence.default_chunk_size("per_feature") == 32
   q, k, v = make_qkv(Shape(B=1, T=80, S=80, N=2, K=2, H=8, D=4))
 
   def program(chunk_size):

@@ -413,11 +413,11 @@ def assert_matches_oracle(got, spec, q, k, v, *, is_causal, lengths=None, option
   ``TOLERANCE`` (their normalisers are sums of positive terms).
   """
   want, weights = oracle_output(spec, options or {}, q, k, v, is_causal, lengths)
-  _judge_output(got, want, weights, v, err_msg)
+  _judge_output(got, want, weights, q.dtype, v, err_msg)
 
 
-def _judge_output(got, want, weights, v, err_msg: str) -> None:
-  dtype = jnp.dtype(v.dtype)
+def _judge_output(got, want, weights, dtype, v, err_msg: str) -> None:
+  dtype = jnp.dtype(dtype)
   if weights is None:
     assert_close(got, want, dtype, err_msg=err_msg)
     return
@@ -502,7 +502,7 @@ def gradient_sensitivity(spec, what, q, k, v, *, is_causal, lengths, ct):
 def oracle_output_and_gradients(spec, options, q, k, v, is_causal, lengths, ct,
                                 with_sensitivity=True):
   """``(out, weights, grads, sensitivity)``: the oracle's output and its gradients of
-  ``Σ ct·out`` for ``q, k, v``, from one compiled program.
+  ``Σ ct·out`` for ``q, k, v`` from one compiled program (the sensitivity from another).
 
   In the input's precision for table-judged variants (weights and
   sensitivity None); in float64 on the same rounded inputs otherwise, with
@@ -552,7 +552,7 @@ def assert_output_and_gradients_match_oracle(got, grads, spec, q, k, v, *, is_ca
   """
   want, weights, wants, sensitivity = oracle_output_and_gradients(
       spec, options or {}, q, k, v, is_causal, lengths, ct)
-  _judge_output(got, want, weights, v, err_msg)
+  _judge_output(got, want, weights, q.dtype, v, err_msg)
   dtype = jnp.dtype(q.dtype)
   atol, rtol = GRAD_TOLERANCE[dtype]
   for name, g, want in zip("qkv", grads, wants, strict=True):
