@@ -214,19 +214,14 @@ def _gla_chunk_per_feature(S, chunk: recurrence.Chunk):
   # holds Σ_{s<l≤t} g_l, a running sum down t of g_t where t > s (no difference is formed).
   span = min(_GLA_DIRECT_SPAN, padded)
   blocks = lambda x: x.reshape(x.shape[:-2] + (padded // span, span, x.shape[-1]))  # noqa: E731
-  g_blocks = blocks(g)
-  later = np.arange(span)[:, None] > np.arange(span)[None, :]  # [t, s]: t > s
-  between = jnp.cumsum(jnp.where(later[:, :, None], g_blocks[..., :, None, :], 0), axis=-3)
-  weights = jnp.where(later[:, :, None] | np.eye(span, dtype=bool)[:, :, None],
-                      jnp.exp(between), 0)  # exp(b_t - b_s) for s ≤ t, else 0
+  g_blocks = blocks(g)  # [B, K, blocks, span, H]
+  weights = jnp.exp(segment_sums(g_blocks, 3))  # exp(b_t - b_s) for s ≤ t, else 0
   a = jnp.einsum("bkgnth,bknsh,bkntsh->bkgnts", blocks(q), blocks(k), weights)
   out = jnp.einsum("bkgnts,bknsd->bkgntd", a, blocks(v)).reshape(q.shape[:-1] + v.shape[-1:])
   # Over spans of `span` positions: Σ_{l≤t} g_l and Σ_{l>s} g_l within t's and s's span,
   # and each span's sum.
   prefix = jnp.cumsum(g_blocks, axis=-2).reshape(g.shape)
-  after = jnp.flip(jnp.cumsum(jnp.flip(g_blocks, -2), axis=-2), -2)  # Σ_{l≥s}
-  suffix = jnp.concatenate([after[..., 1:, :], jnp.zeros_like(after[..., :1, :])],
-                           axis=-2).reshape(g.shape)
+  suffix = _suffix_sums(g_blocks, 3).reshape(g.shape)
   total = jnp.sum(g_blocks, axis=-2)
   while span < padded:
     halves = lambda x, span=span: x.reshape(  # noqa: E731  [.., blocks, 2, span, H]
@@ -945,9 +940,7 @@ def _init_like(query: Any, key: Any, value: Any) -> GatedState:
   ``value`` (the registry's ``init``): what decoding carries, without a summary's decays or
   ``[K, H, H]`` transitions."""
   p = checks.prepare_qkv(query, key, value, fn="init_gated_state")
-  lead = p.key.shape[:-3]
-  return GatedState(jnp.zeros(lead + p.key.shape[-2:] + p.value.shape[-1:],
-                              checks.accumulation_dtype(p.key.dtype)))
+  return GatedState(_identity(p.key, p.value, delta=False, per_feature=False).kv)
 
 
 def _gated_summarize(key: Any, value: Any, log_decay: Any, *, key_value_seq_lengths: Any = None,
