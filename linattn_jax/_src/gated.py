@@ -104,7 +104,9 @@ class DeltaSummary(NamedTuple):
 
   The span maps ``S`` to ``A S + B`` with ``A = Π_t exp(g_t) (I - β_t k_t k_tᵀ)``
   (the latest token on the left) and ``B`` its state from zero; summaries compose
-  by ``(A_l A_e, A_l B_e + B_l)`` (:func:`combine_gated`).
+  by ``(A_l A_e, A_l B_e + B_l)`` (:func:`combine_gated`). Being affine in ``S``, the
+  recurrence run from the state ``[B_e | A_e]`` ``[H, D + H]`` with values ``[v | 0]``
+  leaves ``[A B_e + B | A A_e]``: that is how a summary continues over more keys.
 
   Attributes:
     kv: ``[B, K, H, D]``: ``B``, float32 (float64 for float64 inputs).
@@ -180,6 +182,13 @@ def _gla_chunk(config, S, chunk: recurrence.Chunk):
 _GLA_DIRECT_SPAN = 8
 
 
+def _add_to_half(x: jax.Array, half: int, y: jax.Array) -> jax.Array:
+  """``x [..., 2, span, ·]`` with ``y`` added to its first (``half=0``) or second half."""
+  parts = [x[..., :1, :, :], x[..., 1:, :, :]]
+  parts[half] = parts[half] + y
+  return jnp.concatenate(parts, axis=-3)
+
+
 def _gla_chunk_per_feature(S, chunk: recurrence.Chunk):
   """The chunk form of GLA (a decay per key feature) by recursive halving.
 
@@ -207,41 +216,37 @@ def _gla_chunk_per_feature(S, chunk: recurrence.Chunk):
   """
   (g,) = chunk.gates  # [B, K, C, H]
   q, k, v = chunk.fq, chunk.fk, chunk.v
-  B, K, G, C, H = q.shape
+  C = q.shape[-2]
   padded = 1 << (C - 1).bit_length()  # Padded positions: identity steps (g = 0, k = v = 0).
+  # [..., P, ·] as [..., P / (Π sizes), *sizes, ·]: blocks of `span`, pairs of halves.
+  split = lambda x, *sizes: x.reshape(x.shape[:-2] + (-1, *sizes, x.shape[-1]))  # noqa: E731
   q, k, v, g = (pad_axis(x, x.ndim - 2, padded) for x in (q, k, v, g))
   # Blocks of `span` positions weigh their own pairs directly: [.., blocks, span(t), span(s), H]
   # holds Σ_{s<l≤t} g_l, a running sum down t of g_t where t > s (no difference is formed).
   span = min(_GLA_DIRECT_SPAN, padded)
-  blocks = lambda x: x.reshape(x.shape[:-2] + (padded // span, span, x.shape[-1]))  # noqa: E731
-  g_blocks = blocks(g)  # [B, K, blocks, span, H]
+  g_blocks = split(g, span)  # [B, K, blocks, span, H]
   weights = jnp.exp(segment_sums(g_blocks, 3))  # exp(b_t - b_s) for s ≤ t, else 0
-  a = jnp.einsum("bkgnth,bknsh,bkntsh->bkgnts", blocks(q), blocks(k), weights)
-  out = jnp.einsum("bkgnts,bknsd->bkgntd", a, blocks(v)).reshape(q.shape[:-1] + v.shape[-1:])
-  # Over spans of `span` positions: Σ_{l≤t} g_l and Σ_{l>s} g_l within t's and s's span,
-  # and each span's sum.
+  a = jnp.einsum("bkgnth,bknsh,bkntsh->bkgnts", split(q, span), split(k, span), weights)
+  out = jnp.einsum("bkgnts,bknsd->bkgntd", a, split(v, span))
+  out = out.reshape(q.shape[:-1] + v.shape[-1:])
+  # Σ_{l≤t} g_l and Σ_{l>s} g_l within t's and s's span of `span` positions.
   prefix = jnp.cumsum(g_blocks, axis=-2).reshape(g.shape)
   suffix = _suffix_sums(g_blocks, 3).reshape(g.shape)
-  total = jnp.sum(g_blocks, axis=-2)
   while span < padded:
-    halves = lambda x, span=span: x.reshape(  # noqa: E731  [.., blocks, 2, span, H]
-        x.shape[:-2] + (padded // (2 * span), 2, span, x.shape[-1]))
+    halves = lambda x, span=span: split(x, 2, span)  # noqa: E731  [.., 2, span, ·]
     pre, suf = halves(prefix), halves(suffix)  # [B, K, padded / 2span, 2, span, H]
+    total = pre[..., -1:, :]  # [.., 2, 1, H]: each half's Σ g, its prefix at its end.
     q_late = halves(q)[..., 1, :, :] * jnp.exp(pre[:, :, None, :, 1])  # exp(b_t - b_m)
-    k_early = halves(k)[..., 0, :, :] * jnp.exp(suf[:, :, :, 0])  # exp(b_m - b_s)
+    k_early = halves(k)[..., 0, :, :] * jnp.exp(suf[..., 0, :, :])  # exp(b_m - b_s)
     late = jnp.einsum("bkgnts,bknsd->bkgntd", jnp.einsum("bkgnth,bknsh->bkgnts", q_late, k_early),
                       halves(v)[..., 0, :, :])
-    out = out + jnp.stack([jnp.zeros_like(late), late], axis=-3).reshape(out.shape)
-    pair = total.reshape(B, K, padded // (2 * span), 2, 1, H)
-    prefix = jnp.concatenate([pre[..., :1, :, :], pre[..., 1:, :, :] + pair[..., :1, :, :]],
-                             axis=-3).reshape(g.shape)
-    suffix = jnp.concatenate([suf[..., :1, :, :] + pair[..., 1:, :, :], suf[..., 1:, :, :]],
-                             axis=-3).reshape(g.shape)
-    total = jnp.sum(pair[..., 0, :], axis=-2)
+    out = _add_to_half(halves(out), 1, late[..., None, :, :]).reshape(out.shape)
+    prefix = _add_to_half(pre, 1, total[..., :1, :, :]).reshape(g.shape)
+    suffix = _add_to_half(suf, 0, total[..., 1:, :, :]).reshape(g.shape)
     span *= 2
   # Now over the whole chunk: exp(b_t) reads the state, exp(b_C - b_s) writes to it.
   out = out + jnp.einsum("bkgth,bkhd->bkgtd", q * jnp.exp(prefix)[:, :, None], S)
-  S = (jnp.exp(total)[..., 0, :, None] * S
+  S = (jnp.exp(prefix[..., -1, :])[..., None] * S
        + jnp.einsum("bksh,bksd->bkhd", k * jnp.exp(suffix), v))
   return S, out[..., :C, :]
 
@@ -303,25 +308,36 @@ def _unit_lower_inverse(M: jax.Array) -> jax.Array:
 
   with the two diagonal halves inverted together, one level per halving: matrix
   products only (a triangular solve is a sequential loop on some backends), in full
-  float32 precision.
+  float32 precision. A size that is not a power of two gets identity rows and
+  columns up to the next one, dropped at the end.
   """
+  C = M.shape[-1]
+  padded = 1 << (C - 1).bit_length()
+  if padded != C:
+    pad = [(0, 0)] * (M.ndim - 2) + [(0, padded - C)] * 2
+    ones = jnp.diag(jnp.arange(padded) >= C).astype(M.dtype)  # On the added diagonal.
+    M = jnp.pad(M, pad) + ones.reshape((1,) * (M.ndim - 2) + ones.shape)
+  return _unit_lower_inverse_by_halves(M)[..., :C, :C]
+
+
+def _unit_lower_inverse_by_halves(M: jax.Array) -> jax.Array:
+  """:func:`_unit_lower_inverse` for a power-of-two size."""
   C = M.shape[-1]
   if C == 1:
     return jnp.ones_like(M)
   h = C // 2
-  if C % 2:  # An odd size: one identity row and column more, then dropped.
-    pad = [(0, 0)] * (M.ndim - 2) + [(0, 1), (0, 1)]
-    return _unit_lower_inverse(jnp.pad(M, pad).at[..., C, C].set(1))[..., :C, :C]
-  halves = _unit_lower_inverse(jnp.stack([M[..., :h, :h], M[..., h:, h:]], axis=-3))
+  halves = _unit_lower_inverse_by_halves(jnp.stack([M[..., :h, :h], M[..., h:, h:]], axis=-3))
   A_inv, D_inv = halves[..., 0, :, :], halves[..., 1, :, :]
   below = -_matmul(_matmul(D_inv, M[..., h:, :h]), A_inv)
   return jnp.concatenate([jnp.concatenate([A_inv, jnp.zeros_like(below)], axis=-1),
                           jnp.concatenate([below, D_inv], axis=-1)], axis=-2)
 
 
-def _delta_system(chunk: recurrence.Chunk):
-  """``I + L`` ``[B, K, C, C]`` with ``L_ij = β_i (Γ_i / Γ_j) k_iᵀ k_j`` (j < i), ``log Γ_i``
-  ``[B, K, C]`` and the decays ``Γ_i / Γ_j`` (0 where j > i) of a chunk's keys."""
+def _delta_writes(S, chunk: recurrence.Chunk):
+  """The chunk's writes ``u [B, K, C, D]`` by one unit triangular inverse (the WY/UT form),
+  ``U = (I + L)⁻¹ diag(β) (V - diag(Γ) K S_0)`` with ``L_ij = β_i (Γ_i / Γ_j) k_iᵀ k_j``
+  (j < i); also the decays ``Γ_i / Γ_j`` ``[B, K, C, C]`` (0 where j > i), ``log Γ_i``
+  ``[B, K, C]`` and the state after the chunk."""
   g, beta = (x[..., 0] for x in chunk.gates)  # [B, K, C]
   k = chunk.fk
   C = k.shape[2]
@@ -329,52 +345,13 @@ def _delta_system(chunk: recurrence.Chunk):
   decay = jnp.exp(segment_sums(g, 2))
   strictly_lower = jnp.tril(jnp.ones((C, C), bool), -1)
   L = jnp.where(strictly_lower, beta[..., None] * decay * jnp.einsum("bkih,bkjh->bkij", k, k), 0)
-  return L + jnp.eye(C, dtype=L.dtype)[None, None], prefix, decay
-
-
-def _delta_writes(S, chunk: recurrence.Chunk):
-  """The chunk's writes ``u [B, K, C, D]`` by one unit triangular inverse (the WY/UT form), the
-  decays ``Γ_i / Γ_j`` ``[B, K, C, C]`` (0 where j > i), ``log Γ_i`` and the state after it."""
-  g, beta = (x[..., 0] for x in chunk.gates)  # [B, K, C]
-  k = chunk.fk
-  system, prefix, decay = _delta_system(chunk)
+  system = L + jnp.eye(C, dtype=L.dtype)[None, None]
   read = jnp.exp(prefix)[..., None] * jnp.einsum("bkih,bkhd->bkid", k, S)  # Γ_i S_0ᵀ k_i
   u = _matmul(_unit_lower_inverse(system), beta[..., None] * (chunk.v - read))
   to_end = jnp.exp(_suffix_sums(g, 2))[..., None]  # [B, K, C, 1]: Γ_C / Γ_j
   S_end = (jnp.exp(prefix[:, :, -1])[..., None, None] * S
            + jnp.einsum("bkjh,bkjd->bkhd", k * to_end, u))
   return u, decay, prefix, S_end
-
-
-def _delta_transition(chunk: recurrence.Chunk) -> jax.Array:
-  """``A = Π_i exp(g_i) (I - β_i k_i k_iᵀ)`` ``[B, K, H, H]`` of a chunk, from the WY form.
-
-  With no values the writes are ``u = -W S_0`` for ``W = (I + L)⁻¹ diag(β Γ) K``, so
-  ``A = Γ_C I - Σ_j (Γ_C / Γ_j) k_j w_jᵀ``: one triangular inverse, no product of C
-  matrices. Every factor is a decay ``≤ 1``, so resets neither overflow nor cancel.
-  """
-  g, beta = (x[..., 0] for x in chunk.gates)
-  k = chunk.fk
-  system, prefix, _ = _delta_system(chunk)
-  W = _matmul(_unit_lower_inverse(system), (beta * jnp.exp(prefix))[..., None] * k)  # [B,K,C,H]
-  to_end = jnp.exp(_suffix_sums(g, 2))[..., None]
-  eye = jnp.eye(k.shape[-1], dtype=k.dtype)[None, None]
-  return (jnp.exp(prefix[:, :, -1])[..., None, None] * eye
-          - jnp.einsum("bkjh,bkji->bkhi", k * to_end, W))
-
-
-def _span_transition(chunk: recurrence.Chunk, chunk_size: int) -> jax.Array:
-  """``A`` ``[B, K, H, H]`` of all the chunk's keys: one :func:`_delta_transition` per
-  block of ``chunk_size`` keys, multiplied in order (padding keys are identity steps)."""
-  keys = chunk.keys(0, chunk.num_keys)
-  B, K, _, H = keys.fk.shape
-  eye = jnp.zeros_like(keys.fk, shape=(B, K, H, H)) + jnp.eye(H, dtype=keys.fk.dtype)[None, None]
-
-  def body(A, block):
-    return jnp.einsum("bkhi,bkij->bkhj", _delta_transition(block), A), None
-
-  A, _ = lax.scan(jax.checkpoint(body), eye, keys.blocks(min(chunk_size, keys.num_keys)))
-  return A
 
 
 def _delta_chunk(config, S, chunk: recurrence.Chunk):
@@ -471,12 +448,18 @@ def _attention(query, key, value, log_decay, beta, scale, lengths, state, *, del
   q = (p.query.astype(dtype) * scale).reshape(B, T, K, N // K, H).transpose(0, 2, 3, 1, 4)
   k = hide(p.key.astype(dtype).transpose(0, 2, 1, 3))
   v = hide(p.value.astype(dtype).transpose(0, 2, 1, 3))
-  chunk = recurrence.Chunk(q, None, k, None, v, tuple(hide(x) for x in gates))
   if state is None:
     S0 = jnp.zeros_like(v, shape=(B, K, H, D))
   else:
     state = _initial(state, p, dtype, delta=delta, per_feature=g.shape[-1] > 1, fn=fn)
     S0 = state.kv
+  transition = isinstance(state, DeltaSummary) and return_state
+  if transition:
+    # The keys act on a state as S ↦ A S + B, so the same recurrence run from [S_0 | A_0]
+    # with values [v | 0] leaves [A S_0 + B | A A_0]: the summary composed with the keys'.
+    v = jnp.concatenate([v, jnp.zeros_like(v, shape=v.shape[:-1] + (H,))], axis=-1)
+    S0 = jnp.concatenate([S0, state.transition], axis=-1)
+  chunk = recurrence.Chunk(q, None, k, None, v, tuple(hide(x) for x in gates))
   if implementation == "reference":
     out, S_end = (_delta_reference if delta else _gla_reference)(S0, chunk)
   else:
@@ -485,14 +468,13 @@ def _attention(query, key, value, log_decay, beta, scale, lengths, state, *, del
         _delta_absorb if delta else _gla_absorb, None)
     out, S_end = recurrence.run_chunks(bodies, None, S0, chunk, is_causal=True,
                                        chunk_size=chunk_size)
-  out = out.transpose(0, 3, 1, 2, 4).reshape(B, T, N, D).astype(p.query.dtype)
+  out = out[..., :D].transpose(0, 3, 1, 2, 4).reshape(B, T, N, D).astype(p.query.dtype)
   final = GatedState(S_end)
-  if isinstance(state, GatedSummary):  # Given a summary, return one: it composes with the span.
+  if transition:
+    final = DeltaSummary(S_end[..., :D], S_end[..., D:])
+  elif isinstance(state, GatedSummary):  # Given a summary, return one: it composes with the span.
     total = jnp.sum(chunk.gates[0], axis=2)  # [B, K, H|1]: the span's log-decay.
     final = GatedSummary(S_end, state.log_decay + (total if g.shape[-1] > 1 else total[..., 0]))
-  elif isinstance(state, DeltaSummary) and return_state:
-    A = _span_transition(chunk, chunk_size)
-    final = DeltaSummary(S_end, jnp.einsum("bkhi,bkij->bkhj", A, state.transition))
   return p.restore(out), final if p.batched else jax.tree.map(lambda x: x[0], final)
 
 
@@ -956,8 +938,8 @@ def _gated_summarize(key: Any, value: Any, log_decay: Any, *, key_value_seq_leng
 def _delta_summarize(key: Any, value: Any, beta: Any, *, log_decay: Any = None,
                      key_value_seq_lengths: Any = None,
                      chunk_size: int | None = None) -> DeltaSummary:
-  """The :class:`DeltaSummary` of ``key [B, S, K, H]`` / ``value [B, S, K, D]``: ``A`` is the
-  product of the chunks' WY transitions, one per ``chunk_size`` keys."""
+  """The :class:`DeltaSummary` of ``key [B, S, K, H]`` / ``value [B, S, K, D]`` (the
+  recurrence run from the identity summary: see ``_attention``)."""
   return recurrence.summarize_keys(delta_rule_attention, key, value, beta=beta,
                                    log_decay=log_decay, chunk_size=chunk_size,
                                    initial_state=_identity(key, value, delta=True,
