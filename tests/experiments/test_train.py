@@ -112,12 +112,12 @@ def _assert_same_final_params(workdir: pathlib.Path, other: pathlib.Path) -> Non
 def test_a_killed_run_resumes_to_the_same_parameters(tmp_path):
   """A run killed by SIGKILL (a subprocess) resumes, here in-process, to the parameters of
   an uninterrupted run. All three see the suite's 8 host devices and XLA flags."""
-  changes = dict(num_steps=40, checkpoint_every=5, log_every=5, eval_every=40, sample_length=0)
+  changes = dict(num_steps=40, checkpoint_every=10, log_every=5, eval_every=40, sample_length=0)
   flags_ = TINY_FLAGS + [f"--{k}={v}" for k, v in changes.items()]
   killed = tmp_path / "killed"
   process = _run(*flags_, f"--workdir={killed}", wait=False, env=_DEVICES_OF_THE_SUITE)
   deadline = time.time() + 240
-  while not (killed / "checkpoints" / "10").exists():  # Two checkpoints in, still running.
+  while not (killed / "checkpoints" / "20").exists():  # Two checkpoints in, still running.
     assert process.poll() is None and time.time() < deadline, "the run ended before the kill"
     time.sleep(0.05)
   process.send_signal(signal.SIGKILL)
