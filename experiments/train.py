@@ -410,23 +410,30 @@ class Checkpoints:
   """orbax checkpoints of the flattened state, under ``workdir/checkpoints``.
 
   A step that cannot be read is moved to ``workdir/damaged_checkpoints`` (kept
-  for inspection, out of the manager's way).
+  for inspection, out of the manager's way). Each array is written from one of
+  its replicas: orbax's default splits a replicated array into a slice per
+  device, which for this loop's small, replicated state cost one dispatched
+  op per leaf and device (a save took 0.3 s, and 1.9 s for a process's first,
+  against 0.16 s).
   """
 
   def __init__(self, workdir: pathlib.Path):
     self.directory = (workdir / "checkpoints").absolute()
     self.damaged = (workdir / "damaged_checkpoints").absolute()
+    one_replica = ocp.type_handlers.create_type_handler_registry(
+        (jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False)))
     with _orbax_silenced():  # It reads every step's metadata here.
       self.manager = ocp.CheckpointManager(
           self.directory,
-          options=ocp.CheckpointManagerOptions(max_to_keep=2, enable_async_checkpointing=False))
+          options=ocp.CheckpointManagerOptions(max_to_keep=2, enable_async_checkpointing=False),
+          item_handlers=ocp.PyTreeCheckpointHandler(type_handler_registry=one_replica))
 
   @staticmethod
   def _flat(state) -> dict[str, Any]:
     return {str(i): leaf for i, leaf in enumerate(jax.tree.leaves(state))}
 
   def save(self, step: int, state) -> None:
-    self.manager.save(step, args=ocp.args.StandardSave(self._flat(state)))
+    self.manager.save(step, args=ocp.args.PyTreeSave(self._flat(state)))
     self.manager.wait_until_finished()
 
   def latest(self) -> int | None:
@@ -435,7 +442,8 @@ class Checkpoints:
   def restore(self, step: int, like):
     """The state saved at ``step``, with the structure and shardings of ``like``."""
     target = jax.tree.map(ocp.utils.to_shape_dtype_struct, self._flat(like))
-    flat = self.manager.restore(step, args=ocp.args.StandardRestore(target))
+    flat = self.manager.restore(step, args=ocp.args.PyTreeRestore(
+        target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)))
     return jax.tree.unflatten(jax.tree.structure(like), [flat[str(i)] for i in range(len(flat))])
 
   def restore_latest(self, like) -> tuple[int, Any]:
