@@ -3,8 +3,8 @@
 Every recurrent variant and ring attention, causal and not, on a length that
 8 devices do not divide (the end is padded) with padded examples (one with
 no keys at all) and GQA: outputs and gradients are judged against each
-variant's oracle by the shared suite's judges, and compared with the
-single-device function. Gated variants get their gates and betas from the
+variant's float64 oracle by the shared suite's judges, which judge the
+single-device functions too. Gated variants get their gates and betas from the
 key as in the shared suite (``with_derived_inputs``), so the key's gradient
 carries theirs.
 """
@@ -19,8 +19,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _helpers import (
-  GRAD_TOLERANCE,
-  TOLERANCE,
   Shape,
   assert_output_and_gradients_match_oracle,
   cotangent,
@@ -64,21 +62,17 @@ def _value_and_grads(fn, q, k, v, ct):
   return out, grads
 
 
-def _check(spec, got, got_grads, single, single_grads, q, k, v, ct, *, is_causal, lengths,
-           options):
-  """Judged against the oracle, and close to the single-device function."""
+def _check(spec, got, got_grads, q, k, v, ct, *, is_causal, lengths, options):
+  """Judged against the variant's float64 oracle, as the shared suite judges the
+  single-device function (a separate single-device program, compiled per case to
+  compare with, would check no more: both meet the same oracle)."""
   assert_output_and_gradients_match_oracle(got, got_grads, spec, q, k, v, is_causal=is_causal,
                                            lengths=lengths, ct=ct, options=options)
-  if spec.name != "random_fourier":  # Signed features: the oracle's judge bounds those rows.
-    chex.assert_trees_all_close(got, single, atol=TOLERANCE[jnp.dtype(jnp.float32)][0],
-                                rtol=TOLERANCE[jnp.dtype(jnp.float32)][1])
-    chex.assert_trees_all_close(got_grads, single_grads, atol=GRAD_TOLERANCE[q.dtype][0],
-                                rtol=GRAD_TOLERANCE[q.dtype][1])
 
 
 @pytest.mark.parametrize("is_causal", [True, False], ids=["causal", "noncausal"])
 @pytest.mark.parametrize("name", parallel.recurrent_attentions())
-def test_context_parallel_equals_one_device(name, is_causal):
+def test_context_parallel_matches_the_oracle(name, is_causal):
   spec = la.get_spec(name)
   shape = SMALL_SHAPE if name == "random_fourier" else SHAPE
   q, k, v = make_qkv(shape)
@@ -94,13 +88,9 @@ def test_context_parallel_equals_one_device(name, is_causal):
       parallel.context_parallel_attention, attention=name, mesh=mesh(), axis_name="seq",
       is_causal=is_causal, key_value_seq_lengths=lengths, **options))
   spec = deriving_inputs(spec)  # The same gates for the function and its oracle.
-  single = spec.build(**options)
   got, got_grads = _value_and_grads(split, q, k, v, ct)
-  want, want_grads = _value_and_grads(
-      lambda q, k, v: single(q, k, v, is_causal=is_causal, key_value_seq_lengths=lengths),
-      q, k, v, ct)
-  _check(spec, got, got_grads, want, want_grads, q, k, v, ct, is_causal=is_causal,
-         lengths=lengths, options=options)
+  _check(spec, got, got_grads, q, k, v, ct, is_causal=is_causal, lengths=lengths,
+         options=options)
 
 
 def test_per_token_inputs_are_checked_by_name_and_shape():
@@ -134,7 +124,7 @@ def test_unbatched_inputs_and_gates_equal_the_batched_call():
 @pytest.mark.parametrize("is_causal, load_balance", [(True, True), (True, False),
                                                      (False, True)],
                          ids=["causal-zigzag", "causal-contiguous", "noncausal"])
-def test_ring_attention_equals_one_device(is_causal, load_balance):
+def test_ring_attention_matches_the_oracle(is_causal, load_balance):
   spec = la.get_spec("softmax")
   q, k, v = make_qkv(SHAPE)
   lengths = kv_lengths(SHAPE)
@@ -144,11 +134,7 @@ def test_ring_attention_equals_one_device(is_causal, load_balance):
           q, k, v, mesh=mesh(), axis_name="seq", is_causal=is_causal,
           key_value_seq_lengths=lengths, load_balance=load_balance, block_q=2, block_k=3),
       q, k, v, ct)
-  want, want_grads = _value_and_grads(
-      lambda q, k, v: la.softmax_attention(q, k, v, is_causal=is_causal,
-                                           key_value_seq_lengths=lengths), q, k, v, ct)
-  _check(spec, got, got_grads, want, want_grads, q, k, v, ct, is_causal=is_causal,
-         lengths=lengths, options={})
+  _check(spec, got, got_grads, q, k, v, ct, is_causal=is_causal, lengths=lengths, options={})
   np.testing.assert_array_equal(got[1], 0)  # No keys: zeros, not NaN.
 
 
