@@ -486,7 +486,9 @@ def _run(query, key, value, log_decay, beta, *, scale, is_causal, key_value_seq_
                      "output reads the state of the keys up to its own position.")
   implementation = checks.check_implementation(
       implementation, choices=choices, is_causal=True, fn=fn) or "chunked"
-  chunk_size = recurrence.check_chunk_size(chunk_size, fn=fn)
+  per_feature = beta is None and log_decay is not None and jnp.ndim(log_decay) == jnp.ndim(key)
+  chunk_size = recurrence.check_chunk_size(chunk_size, form="gla" if per_feature else "kernel",
+                                           fn=fn)
   out, state = _attention(query, key, value, log_decay, beta, scale, key_value_seq_lengths,
                           initial_state, delta=beta is not None, implementation=implementation,
                           chunk_size=chunk_size, return_state=bool(return_state), fn=fn)

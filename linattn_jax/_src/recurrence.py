@@ -83,18 +83,25 @@ from linattn_jax._src.online_softmax import exponent_shift, safe_divide
 from linattn_jax._src.registry import AttentionSpec, ParamSpec, StreamingSpec, register_attention
 
 Read = Literal["kernel", "per_feature"]
-# C of the kernel and gated chunked forms when ``chunk_size=None``, by
-# ``jax.default_backend()``. CPU (2 cores): 64 makes causal linear_elu
-# forward+backward fastest (README, "Chunk size"). GPU (H100, float32, B = 1,
-# 8 heads of 64, T = 16384, forward+backward): linear_elu 14.4 / 8.4 / 5.1 ms,
-# gla 23.1 / 13.4 / 8.9 ms and gated_delta_net 38.6 / 27.7 / 21.2 ms at
-# C = 64 / 128 / 256. TPU: not measured, so the CPU value.
-DEFAULT_CHUNK_SIZE = 64
-_BACKEND_CHUNK_SIZES = {"gpu": 256}
-# Per-feature log-scales (Shen, Heinsen) carry more work per row of a chunk
-# (cumulative maxima, per-feature coefficients); on a 2-core CPU, causal Heinsen
-# forward+backward at T=16384 took 639 ms with C=32, 690 ms with 64, 806 ms with 128.
-DEFAULT_PER_FEATURE_CHUNK_SIZE = 32
+# The chunked forms whose default C differs: kernel reads (and the per-head gated and
+# delta-rule forms), per-feature reads (Shen, Heinsen), and GLA's decay per key feature.
+ChunkForm = Literal["kernel", "per_feature", "gla"]
+# C of a form's chunked implementation when ``chunk_size=None``, by
+# ``jax.default_backend()`` (None: any other backend, TPU included, unmeasured).
+# CPU (2 cores, causal, float32, B = 1, 8 heads of 64, T = 8192, forward+backward):
+# linear_elu is fastest at C = 64 (230, 249 ms against 269-348 at 128); GLA's
+# recursive halving at 128 (307, 319 ms against 396-455 at 64 and 377 at 256).
+# Per-feature log-scales carry more work per row of a chunk (cumulative maxima,
+# per-feature coefficients): causal Heinsen forward+backward at T = 16384 took
+# 639 ms with C = 32, 690 ms with 64, 806 ms with 128. GPU (H100, T = 16384,
+# forward+backward): linear_elu 14.4 / 8.4 / 5.1 ms, gla 23.1 / 13.4 / 8.9 ms and
+# gated_delta_net 38.6 / 27.7 / 21.2 ms at C = 64 / 128 / 256. README, "Chunk size".
+_DEFAULT_CHUNK_SIZES: dict[str, dict[str | None, int]] = {
+    "kernel": {"gpu": 256, None: 64},
+    "per_feature": {None: 32},
+    "gla": {"gpu": 256, None: 128},
+}
+DEFAULT_PER_FEATURE_CHUNK_SIZE = _DEFAULT_CHUNK_SIZES["per_feature"][None]
 DEFAULT_EPS = 1e-6
 # A row whose per-feature running max climbs more than this above the chunk's
 # first is computed per query: measured against the first, its keys' terms
@@ -631,18 +638,17 @@ class Family:
   implementations: tuple[str, ...]
 
 
-def default_chunk_size(read: Read = "kernel") -> int:
-  """The chunk size C that ``chunk_size=None`` means (see above): by the default backend
-  (not the devices a call's arrays are on) for kernel reads, 32 for per-feature ones."""
-  if read == "per_feature":
-    return DEFAULT_PER_FEATURE_CHUNK_SIZE
-  return _BACKEND_CHUNK_SIZES.get(jax.default_backend(), DEFAULT_CHUNK_SIZE)
+def default_chunk_size(form: ChunkForm = "kernel") -> int:
+  """The chunk size C that ``chunk_size=None`` means for a chunked ``form`` (see above), by
+  the default backend (not the devices a call's arrays are on)."""
+  sizes = _DEFAULT_CHUNK_SIZES[form]
+  return sizes.get(jax.default_backend(), sizes[None])
 
 
-def check_chunk_size(chunk_size: int | None, *, read: Read = "kernel", fn: str) -> int:
-  """``chunk_size``, or the default for None; a ValueError if not a positive int."""
+def check_chunk_size(chunk_size: int | None, *, form: ChunkForm = "kernel", fn: str) -> int:
+  """``chunk_size``, or the form's default for None; a ValueError if not a positive int."""
   if chunk_size is None:
-    return default_chunk_size(read)
+    return default_chunk_size(form)
   return checks.check_positive_int(chunk_size, name="chunk_size", fn=fn)
 
 
@@ -669,7 +675,7 @@ def recurrent_attention(
   implementation = checks.check_implementation(
       implementation, choices=family.implementations, is_causal=is_causal, fn=fn)
   implementation = implementation or ("chunked" if is_causal else "parallel")
-  chunk_size = check_chunk_size(chunk_size, read=family.read, fn=fn)
+  chunk_size = check_chunk_size(chunk_size, form=family.read, fn=fn)
   if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or eps < 0:
     raise ValueError(f"{fn}: eps must be a non-negative float; got {eps!r}.")
   out, state = _recurrent_attention(

@@ -215,24 +215,27 @@ def test_registry_entries_fix_the_feature_map(name, feature_map):
   assert state.kv.shape == (2, 1, 3, 4)
 
 
-@pytest.mark.parametrize("fn, extra", [
-    (la.linear_attention, {}),
-    (la.performer_attention, {"projection": jnp.ones((4, 8))}),
-    (la.gated_linear_attention, {"log_decay": -jnp.ones((1, 80, 2))}),
-    (la.delta_rule_attention, {"beta": jnp.ones((1, 80, 2)) / 2}),
-], ids=lambda x: getattr(x, "__name__", ""))
-def test_chunk_size_none_is_the_backends_measured_default(fn, extra):
-  """``chunk_size=None`` traces the program of the backend's C (64 on CPU, 256 on GPU);
-  T = 80 spans two chunks of 64."""
+@pytest.mark.parametrize("fn, extra, form", [
+    (la.linear_attention, {}, "kernel"),
+    (la.performer_attention, {"projection": jnp.ones((4, 8))}, "kernel"),
+    (la.gated_linear_attention, {"log_decay": -jnp.ones((1, 80, 2))}, "kernel"),
+    (la.gated_linear_attention, {"log_decay": -jnp.ones((1, 80, 2, 8))}, "gla"),
+    (la.delta_rule_attention, {"beta": jnp.ones((1, 80, 2)) / 2}, "kernel"),
+], ids=["linear", "performer", "gated-per-head", "gla-per-feature", "delta"])
+def test_chunk_size_none_is_the_backends_measured_default(fn, extra, form):
+  """``chunk_size=None`` traces the program of the backend's C for the chunked form; T = 80
+  spans two chunks of 64."""
   from linattn_jax._src import recurrence
   # The values the README documents, stated here on their own.
-  assert recurrence.default_chunk_size() == {"gpu": 256}.get(jax.default_backend(), 64)
+  backend = jax.default_backend()
+  assert recurrence.default_chunk_size() == {"gpu": 256}.get(backend, 64)
+  assert recurrence.default_chunk_size("gla") == {"gpu": 256}.get(backend, 128)
   assert recurrence.default_chunk_size("per_feature") == 32
   q, k, v = make_qkv(Shape(B=1, T=80, S=80, N=2, K=2, H=8, D=4))
 
   def program(chunk_size):
     return str(jax.make_jaxpr(lambda q, k, v: fn(q, k, v, is_causal=True, chunk_size=chunk_size,
                                                  **extra))(q, k, v))
-  assert program(None) == program(recurrence.default_chunk_size()) != program(32)
+  assert program(None) == program(recurrence.default_chunk_size(form)) != program(32)
   with pytest.raises(ValueError, match="chunk_size"):
     fn(q, k, v, is_causal=True, chunk_size=0, **extra)
