@@ -533,7 +533,8 @@ def gated_linear_attention(
       decay matrix Γ), ``"scan"`` (token by token), ``"associative_scan"``, or
       ``"chunked"`` (the default: chunkwise parallel, O(T) memory).
     chunk_size: positions per chunk of ``"scan"``, ``"associative_scan"`` and ``"chunked"``.
-      None: the default backend's measured best, 64 on CPU and 256 on GPU.
+      None: the default backend's measured best, 64 on CPU and 256 on GPU; with a decay
+      per key feature (GLA's recursive halving) 128 on CPU.
 
   Returns:
     ``[B, T, N, D]`` in the input dtype; with ``return_state`` the pair
@@ -941,7 +942,7 @@ def _delta_summarize(key: Any, value: Any, beta: Any, *, log_decay: Any = None,
                      key_value_seq_lengths: Any = None,
                      chunk_size: int | None = None) -> DeltaSummary:
   """The :class:`DeltaSummary` of ``key [B, S, K, H]`` / ``value [B, S, K, D]`` (the
-  recurrence run from the identity summary: see ``_attention``)."""
+  recurrence run from the identity summary, as :class:`DeltaSummary` says)."""
   return recurrence.summarize_keys(delta_rule_attention, key, value, beta=beta,
                                    log_decay=log_decay, chunk_size=chunk_size,
                                    initial_state=_identity(key, value, delta=True,

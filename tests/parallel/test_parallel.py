@@ -4,7 +4,8 @@ Every recurrent variant and ring attention, causal and not, on a length that
 8 devices do not divide (the end is padded) with padded examples (one with
 no keys at all) and GQA: outputs and gradients are judged against each
 variant's float64 oracle by the shared suite's judges, which judge the
-single-device functions too. Gated variants get their gates and betas from the
+single-device functions too (so no single-device program is compiled here to
+compare with). Gated variants get their gates and betas from the
 key as in the shared suite (``with_derived_inputs``), so the key's gradient
 carries theirs.
 """
@@ -62,14 +63,6 @@ def _value_and_grads(fn, q, k, v, ct):
   return out, grads
 
 
-def _check(spec, got, got_grads, q, k, v, ct, *, is_causal, lengths, options):
-  """Judged against the variant's float64 oracle, as the shared suite judges the
-  single-device function (a separate single-device program, compiled per case to
-  compare with, would check no more: both meet the same oracle)."""
-  assert_output_and_gradients_match_oracle(got, got_grads, spec, q, k, v, is_causal=is_causal,
-                                           lengths=lengths, ct=ct, options=options)
-
-
 @pytest.mark.parametrize("is_causal", [True, False], ids=["causal", "noncausal"])
 @pytest.mark.parametrize("name", parallel.recurrent_attentions())
 def test_context_parallel_matches_the_oracle(name, is_causal):
@@ -89,8 +82,8 @@ def test_context_parallel_matches_the_oracle(name, is_causal):
       is_causal=is_causal, key_value_seq_lengths=lengths, **options))
   spec = deriving_inputs(spec)  # The same gates for the function and its oracle.
   got, got_grads = _value_and_grads(split, q, k, v, ct)
-  _check(spec, got, got_grads, q, k, v, ct, is_causal=is_causal, lengths=lengths,
-         options=options)
+  assert_output_and_gradients_match_oracle(got, got_grads, spec, q, k, v, is_causal=is_causal,
+                                           lengths=lengths, ct=ct, options=options)
 
 
 def test_per_token_inputs_are_checked_by_name_and_shape():
@@ -134,7 +127,8 @@ def test_ring_attention_matches_the_oracle(is_causal, load_balance):
           q, k, v, mesh=mesh(), axis_name="seq", is_causal=is_causal,
           key_value_seq_lengths=lengths, load_balance=load_balance, block_q=2, block_k=3),
       q, k, v, ct)
-  _check(spec, got, got_grads, q, k, v, ct, is_causal=is_causal, lengths=lengths, options={})
+  assert_output_and_gradients_match_oracle(got, got_grads, spec, q, k, v, is_causal=is_causal,
+                                           lengths=lengths, ct=ct)
   np.testing.assert_array_equal(got[1], 0)  # No keys: zeros, not NaN.
 
 
