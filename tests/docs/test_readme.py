@@ -43,9 +43,15 @@ def test_layers_example_runs():
 
 
 def test_context_parallel_example_runs():
+  """The example as written, at T = 256 instead of 4096: what it shows (the calls run on the
+  mesh they are given, Explicit axes included) does not depend on T, and its ring attention
+  at T = 4096 took 10 of this test's 14 s. tests/parallel judges the values."""
+  source = _blocks("python")[3]
+  assert source.count("(2, 4096, 8, 64)") == 1
+  source = source.replace("(2, 4096, 8, 64)", "(2, 256, 8, 64)")
   namespace: dict = {}
-  exec(compile(_blocks("python")[3], "README context parallelism", "exec"), namespace)  # noqa: S102
-  assert namespace["out"].shape == (2, 4096, 8, 64)
+  exec(compile(source, "README context parallelism", "exec"), namespace)  # noqa: S102
+  assert namespace["out"].shape == (2, 256, 8, 64)
   assert namespace["layer"].context_parallel.axis_name == "seq"
 
 
