@@ -152,6 +152,32 @@ def tile_rows(T: int, Q: int) -> np.ndarray:
   return np.arange(-(-T // Q) * Q).reshape(-1, Q)
 
 
+def window_start(positions: np.ndarray, stride: int) -> int | None:
+  """``c`` when row r of ``positions [R, L]`` is ``c + r·stride + arange(L)``, else None."""
+  R, L = positions.shape
+  c = int(positions[0, 0])
+  want = c + stride * np.arange(R)[:, None] + np.arange(L)[None, :]
+  return c if np.array_equal(positions, want) else None
+
+
+def windows(x: jax.Array, start: int, stride: int, R: int, L: int) -> jax.Array:
+  """``x[:, start + r·stride + l]`` for ``r < R``, ``l < L``: ``[B, R, L, ...]``, zeros at
+  positions outside ``x``'s axis 1.
+
+  The same as gathering those positions, built from slices of consecutive
+  blocks of ``stride`` positions: on CPU a gather, and the scatter-add that is
+  its gradient, visit one element at a time; slices and their transposes
+  (pads) copy whole rows.
+  """
+  m = -(-L // stride)  # Blocks a window spans.
+  need = (R + m - 1) * stride  # Positions start .. start + need - 1.
+  a = min(max(start, 0), start + need)  # The part of them inside x: a .. b - 1.
+  b = max(min(start + need, x.shape[1]), a)
+  widths = [(0, 0), (a - start, start + need - b)] + [(0, 0)] * (x.ndim - 2)
+  blocks = jnp.pad(x[:, a:b], widths).reshape(x.shape[0], R + m - 1, stride, *x.shape[2:])
+  return jnp.concatenate([blocks[:, j:j + R] for j in range(m)], axis=2)[:, :, :L]
+
+
 def attend(
     query: jax.Array,
     key: jax.Array,
@@ -185,10 +211,18 @@ def attend(
   Q = plan.rows.shape[1]
   acc = checks.accumulation_dtype(query.dtype)
 
-  q = jnp.take(query, np.minimum(plan.rows, T - 1), axis=1)  # [B, R, Q, N, H]
+  # Consecutive rows, and a window sliding by Q keys per row (local attention), are read
+  # as slices of blocks; other plans gather (clipped positions, masked below).
+  if window_start(plan.rows, Q) == 0:
+    q = windows(query, 0, Q, R, Q)  # [B, R, Q, N, H]
+  else:
+    q = jnp.take(query, np.minimum(plan.rows, T - 1), axis=1)
   q = q.reshape(B, R, Q, K, G, H).transpose(0, 3, 4, 1, 2, 5).astype(acc)  # [B, K, G, R, Q, H]
   keys = np.clip(plan.keys, 0, S - 1)
-  if P == 1:  # [B, K, 1, R, L, *]: heads of one kv group share the gathered keys.
+  start = window_start(plan.keys[0], Q) if P == 1 else None
+  if start is not None:  # [B, K, 1, R, L, *]
+    gather = lambda x: windows(x, start, Q, R, L).transpose(0, 3, 1, 2, 4)[:, :, None]  # noqa: E731
+  elif P == 1:  # [B, K, 1, R, L, *]: heads of one kv group share the gathered keys.
     gather = lambda x: jnp.take(x, keys[0], axis=1).transpose(0, 3, 1, 2, 4)[:, :, None]  # noqa: E731
   else:  # [B, K, G, R, L, *]: each query head gathers from its kv head.
     kv_head = (np.arange(N) // G)[:, None, None]
