@@ -14,6 +14,7 @@ from _helpers import Shape, assert_close, largest_intermediate, make_qkv, suite_
 
 import linattn_jax as la
 from linattn_jax import masks
+from linattn_jax._src import gather
 
 SHAPE = Shape(B=2, T=21, S=21, N=4, K=2, H=8, D=6)
 
@@ -66,6 +67,35 @@ def test_local_cost_follows_the_window_not_t_squared(T):
   jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v).jaxpr
   # Scores are [B, K, G, T/16, 16, 16 + 16]: 32 keys per row, whatever T is.
   assert largest_intermediate(jaxpr) <= shape.N * T * 32
+
+
+@pytest.mark.parametrize("start, stride, R, L", [
+    (-5, 4, 3, 9),  # Starts before the sequence, L not a multiple of the stride.
+    (0, 4, 3, 4),  # Consecutive rows.
+    (3, 2, 5, 7),  # Ends past the sequence.
+    (12, 3, 2, 4),  # Wholly past it.
+    (-20, 3, 2, 4),  # Wholly before it.
+])
+def test_sliding_windows_equal_the_gathered_positions(start, stride, R, L):
+  """``windows`` (slices of blocks) gives what gathering the positions gives, with zeros
+  outside the sequence; ``window_start`` recognises exactly such position tables."""
+  x = np.arange(2 * 10 * 3, dtype=np.float32).reshape(2, 10, 3)
+  positions = start + stride * np.arange(R)[:, None] + np.arange(L)[None, :]
+  inside = ((positions >= 0) & (positions < 10))[None, :, :, None]
+  want = np.where(inside, np.take(x, np.clip(positions, 0, 9), axis=1), 0)
+  np.testing.assert_array_equal(gather.windows(jnp.asarray(x), start, stride, R, L), want)
+  assert gather.window_start(positions, stride) == start
+  positions[-1, 0] += 1
+  assert gather.window_start(positions, stride) is None
+
+
+def test_local_attention_reads_its_windows_without_gather_or_scatter():
+  """Forward and backward: slices and pads, which run far faster on CPU than a gather and
+  its transpose, a scatter-add."""
+  q, k, v = make_qkv(SHAPE)
+  f = functools.partial(la.local_attention, window_size=(4, 1), block_size=8, is_causal=True)
+  jaxpr = str(jax.make_jaxpr(jax.grad(lambda *x: jnp.sum(f(*x)), argnums=(0, 1, 2)))(q, k, v))
+  assert "gather" not in jaxpr and "scatter" not in jaxpr
 
 
 def test_bigbird_layout_is_deterministic_and_causal_draws_come_from_the_past():
