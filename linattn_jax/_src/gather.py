@@ -178,6 +178,19 @@ def windows(x: jax.Array, start: int, stride: int, R: int, L: int) -> jax.Array:
   return jnp.concatenate([blocks[:, j:j + R] for j in range(m)], axis=2)[:, :, :L]
 
 
+def read_positions(x: jax.Array, positions: np.ndarray, stride: int) -> jax.Array:
+  """``x[:, positions]`` for a static table ``positions [R, L]``: ``[B, R, L, ...]``.
+
+  A window sliding by ``stride`` per row is read by :func:`windows` (zeros
+  outside ``x``); any other table is gathered at positions clipped into ``x``.
+  Either way the caller masks the positions outside the sequence.
+  """
+  start = window_start(positions, stride)
+  if start is not None:
+    return windows(x, start, stride, *positions.shape)
+  return jnp.take(x, np.clip(positions, 0, x.shape[1] - 1), axis=1)
+
+
 def attend(
     query: jax.Array,
     key: jax.Array,
@@ -211,20 +224,13 @@ def attend(
   Q = plan.rows.shape[1]
   acc = checks.accumulation_dtype(query.dtype)
 
-  # Consecutive rows, and a window sliding by Q keys per row (local attention), are read
-  # as slices of blocks; other plans gather (clipped positions, masked below).
-  if window_start(plan.rows, Q) == 0:
-    q = windows(query, 0, Q, R, Q)  # [B, R, Q, N, H]
-  else:
-    q = jnp.take(query, np.minimum(plan.rows, T - 1), axis=1)
+  # Consecutive rows, and local attention's windows, are slices of blocks (read_positions).
+  q = read_positions(query, plan.rows, Q)  # [B, R, Q, N, H]
   q = q.reshape(B, R, Q, K, G, H).transpose(0, 3, 4, 1, 2, 5).astype(acc)  # [B, K, G, R, Q, H]
-  keys = np.clip(plan.keys, 0, S - 1)
-  start = window_start(plan.keys[0], Q) if P == 1 else None
-  if start is not None:  # [B, K, 1, R, L, *]
-    gather = lambda x: windows(x, start, Q, R, L).transpose(0, 3, 1, 2, 4)[:, :, None]  # noqa: E731
-  elif P == 1:  # [B, K, 1, R, L, *]: heads of one kv group share the gathered keys.
-    gather = lambda x: jnp.take(x, keys[0], axis=1).transpose(0, 3, 1, 2, 4)[:, :, None]  # noqa: E731
+  if P == 1:  # [B, K, 1, R, L, *]: heads of one kv group share the gathered keys.
+    gather = lambda x: read_positions(x, plan.keys[0], Q).transpose(0, 3, 1, 2, 4)[:, :, None]  # noqa: E731
   else:  # [B, K, G, R, L, *]: each query head gathers from its kv head.
+    keys = np.clip(plan.keys, 0, S - 1)
     kv_head = (np.arange(N) // G)[:, None, None]
     gather = lambda x: x[:, keys, kv_head].reshape(B, K, G, R, L, -1)  # noqa: E731
   k, v = gather(key).astype(acc), gather(value).astype(acc)
