@@ -130,15 +130,19 @@ class DeltaSummary(NamedTuple):
 def segment_sums(g: jax.Array, axis: int) -> jax.Array:
   """``out[..., i, j, ...] = Σ_{j<l≤i} g_l`` along ``axis`` (-inf where ``j > i``).
 
-  The new axis j follows ``axis`` (i). Summed directly, not as a difference of
-  prefix sums, so a large decay (a reset) does not cancel the small ones after it.
+  The new axis j follows ``axis`` (i), and the axes after it keep their place: a
+  per-feature ``g [..., C, H]`` gives ``[..., C, C, H]`` with H still minor, the
+  layout the products that read it want (no transpose). Summed directly, not as a
+  difference of prefix sums, so a large decay (a reset) does not cancel the small
+  ones after it.
   """
-  g = jnp.moveaxis(g, axis, -1)  # [..., C]
-  C = g.shape[-1]
-  later = jnp.arange(C)[:, None] > jnp.arange(C)[None, :]  # [l, j]: l > j
-  sums = jnp.cumsum(jnp.where(later, g[..., :, None], 0), axis=-2)  # [..., i, j]
-  sums = jnp.where(later | jnp.eye(C, dtype=bool), sums, -jnp.inf)
-  return jnp.moveaxis(sums, (-2, -1), (axis, axis + 1))
+  axis = axis % g.ndim
+  C = g.shape[axis]
+  position = jnp.arange(C)
+  later = position[:, None] > position[None, :]  # [l, j]: l > j
+  on_axes = lambda mask: mask.reshape((C, C) + (1,) * (g.ndim - 1 - axis))  # noqa: E731
+  sums = jnp.cumsum(jnp.where(on_axes(later), jnp.expand_dims(g, axis + 1), 0), axis=axis)
+  return jnp.where(on_axes(later | jnp.eye(C, dtype=bool)), sums, -jnp.inf)
 
 
 def _suffix_sums(g: jax.Array, axis: int) -> jax.Array:
@@ -177,9 +181,11 @@ def _gla_chunk(config, S, chunk: recurrence.Chunk):
   return _gla_absorb(config, S, chunk), out
 
 
-# GLA's chunk form weighs the pairs inside blocks of this many positions directly (C·8·H
-# exponentials), and halves above them: fewer and larger products than halving down to 1.
-_GLA_DIRECT_SPAN = 8
+# GLA's chunk form weighs the pairs inside blocks of this many positions directly (C·4·H
+# exponentials), and halves above them. Measured on CPU (T = 8192, C = 128, forward +
+# backward): 4 beats 2, 8 and 16 by 10-40%; the direct blocks grow as C·span·H, the
+# levels below them are products too small to run fast.
+_GLA_DIRECT_SPAN = 4
 
 
 def _add_to_half(x: jax.Array, half: int, y: jax.Array) -> jax.Array:
@@ -193,7 +199,7 @@ def _gla_chunk_per_feature(S, chunk: recurrence.Chunk):
   """The chunk form of GLA (a decay per key feature) by recursive halving.
 
   With ``b_t = Σ_{l≤t} g_l`` inside the chunk, the weight of key s ≤ t for query t
-  is ``A_ts = Σ_h q_th k_sh exp(b_th - b_sh)``. Inside blocks of 8 positions
+  is ``A_ts = Σ_h q_th k_sh exp(b_th - b_sh)``. Inside blocks of 4 positions
   (``_GLA_DIRECT_SPAN``) it is formed directly, ``exp(Σ_{s<l≤t} g_l)`` from running
   sums. Above them, cut the chunk into halves, each half into halves, and so on down
   to the blocks (Yang et al.'s secondary chunking, applied at every scale): a pair
@@ -205,7 +211,7 @@ def _gla_chunk_per_feature(S, chunk: recurrence.Chunk):
   both sums of log-decays over a span inside one half, never a difference, so no
   exponent is positive and a reset cancels nothing. Each level is then a matrix
   product of ``q_t exp(b_t - b_m)`` (L) with ``k_s exp(b_m - b_s)`` (F). No
-  ``[C, C, H]`` tensor is formed: the blocks cost ``8 C H`` exponentials, each
+  ``[C, C, H]`` tensor is formed: the blocks cost ``4 C H`` exponentials, each
   level ``O(C H)``. The span sums of a level come from the level below (a half's
   prefix is its first half's, then that half's total plus the second's), and the
   last level's are the whole chunk's: they read and write the state.
@@ -225,7 +231,7 @@ def _gla_chunk_per_feature(S, chunk: recurrence.Chunk):
   # holds Σ_{s<l≤t} g_l, a running sum down t of g_t where t > s (no difference is formed).
   span = min(_GLA_DIRECT_SPAN, padded)
   g_blocks = split(g, span)  # [B, K, blocks, span, H]
-  weights = jnp.exp(segment_sums(g_blocks, 3))  # exp(b_t - b_s) for s ≤ t, else 0
+  weights = jnp.exp(segment_sums(g_blocks, 3))  # [.., t, s, H]: exp(b_t - b_s) for s ≤ t, else 0
   a = jnp.einsum("bkgnth,bknsh,bkntsh->bkgnts", split(q, span), split(k, span), weights)
   out = jnp.einsum("bkgnts,bknsd->bkgntd", a, split(v, span))
   out = out.reshape(q.shape[:-1] + v.shape[-1:])

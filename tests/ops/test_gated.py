@@ -127,11 +127,12 @@ def test_gradients_of_the_chunked_form_match_the_oracle(delta):
 
 @pytest.mark.parametrize("chunk_size", [64, 13], ids=["one-padded-chunk", "padded-to-16"])
 def test_per_feature_chunks_split_at_every_level(chunk_size):
-  """GLA's chunk form weighs blocks of 8 positions directly and halves above them (64: three
-  levels over one chunk padded from 37; 13: one level in each of three chunks): resets
-  inside blocks and halves, -inf, T and chunks not multiples of the blocks, padded keys."""
+  """GLA's chunk form weighs blocks of 4 positions directly and halves above them (64: four
+  levels over one chunk padded from 37; 13: two levels in each of three chunks padded to
+  16): resets inside blocks and at a half's end, -inf, T and chunks not multiples of the
+  blocks, padded keys."""
   q, k, v, g, _, initial = inputs(T=37, S=37, per_feature=True, seed=2)
-  g[:, [3, 10, 22]] = -1e4  # Inside halves of 2, 4 and 8 positions (and across chunks).
+  g[:, [3, 10, 22]] = -1e4  # A block's and a half's last position (3), inside blocks.
   g[0, 29, 1, ::2] = -np.inf  # Some features of one head forget everything.
   lengths = np.array([37, 30])
   want, want_state = recurrence(q, k, v, log_decay=g, initial=initial, lengths=lengths)
