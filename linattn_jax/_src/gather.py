@@ -160,21 +160,29 @@ def window_start(positions: np.ndarray, stride: int) -> int | None:
   return c if np.array_equal(positions, want) else None
 
 
+def _span(x: jax.Array, start: int, n: int) -> jax.Array:
+  """``x[:, start:start + n]``, with zeros at positions outside ``x``'s axis 1."""
+  a = min(max(start, 0), start + n)  # The part inside x: a .. b - 1.
+  b = max(min(start + n, x.shape[1]), a)
+  return jnp.pad(x[:, a:b], [(0, 0), (a - start, start + n - b)] + [(0, 0)] * (x.ndim - 2))
+
+
 def windows(x: jax.Array, start: int, stride: int, R: int, L: int) -> jax.Array:
   """``x[:, start + r·stride + l]`` for ``r < R``, ``l < L``: ``[B, R, L, ...]``, zeros at
   positions outside ``x``'s axis 1.
 
-  The same as gathering those positions, built from slices of consecutive
-  blocks of ``stride`` positions: on CPU a gather, and the scatter-add that is
-  its gradient, visit one element at a time; slices and their transposes
-  (pads) copy whole rows.
+  The same as gathering those positions, built from ``min(R, ⌈L / stride⌉)``
+  slices: one per window when there are few (a group of rows that reads every
+  key), else one per block of ``stride`` positions that a window spans (local
+  attention). On CPU a gather, and the scatter-add that is its gradient, visit
+  one element at a time; slices and their transposes (pads) copy whole rows.
   """
   m = -(-L // stride)  # Blocks a window spans.
-  need = (R + m - 1) * stride  # Positions start .. start + need - 1.
-  a = min(max(start, 0), start + need)  # The part of them inside x: a .. b - 1.
-  b = max(min(start + need, x.shape[1]), a)
-  widths = [(0, 0), (a - start, start + need - b)] + [(0, 0)] * (x.ndim - 2)
-  blocks = jnp.pad(x[:, a:b], widths).reshape(x.shape[0], R + m - 1, stride, *x.shape[2:])
+  if R <= m:
+    span = _span(x, start, (R - 1) * stride + L)
+    return jnp.stack([span[:, r * stride:r * stride + L] for r in range(R)], axis=1)
+  blocks = _span(x, start, (R + m - 1) * stride)
+  blocks = blocks.reshape(x.shape[0], R + m - 1, stride, *x.shape[2:])
   return jnp.concatenate([blocks[:, j:j + R] for j in range(m)], axis=2)[:, :, :L]
 
 

@@ -75,6 +75,7 @@ def test_local_cost_follows_the_window_not_t_squared(T):
     (3, 2, 5, 7),  # Ends past the sequence.
     (12, 3, 2, 4),  # Wholly past it.
     (-20, 3, 2, 4),  # Wholly before it.
+    (-1, 2, 1, 12),  # One long window (a group of rows that reads every key).
 ])
 def test_sliding_windows_equal_the_gathered_positions(start, stride, R, L):
   """``windows`` (slices of blocks) gives what gathering the positions gives, with zeros
@@ -87,6 +88,18 @@ def test_sliding_windows_equal_the_gathered_positions(start, stride, R, L):
   assert gather.window_start(positions, stride) == start
   positions[-1, 0] += 1
   assert gather.window_start(positions, stride) is None
+
+
+def test_a_global_row_reading_every_key_does_not_grow_the_program_with_t():
+  """Longformer's global rows read all S keys as one window: a slice, not one per block of
+  rows (which made the program, and its compile time, grow with T)."""
+  def size(T):
+    q, k, v = make_qkv(SHAPE._replace(T=T, S=T))
+    f = functools.partial(la.longformer_attention, window_size=(4, 0), global_positions=(0, 9),
+                          block_size=2, is_causal=True)
+    return str(jax.make_jaxpr(f)(q, k, v)).count(" = ")  # Equations, nested ones included.
+
+  assert size(64) == size(256)
 
 
 def test_local_attention_reads_its_windows_without_gather_or_scatter():
