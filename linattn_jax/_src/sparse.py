@@ -103,8 +103,21 @@ def _all_keys(rows: np.ndarray, S: int) -> Plan:
   return Plan(rows, keys, np.ones(keys.shape, bool))
 
 
-def _block(block_size: Any, T: int, fn: str) -> int:
-  """The query block Q: ``block_size`` (checked), at most T."""
+# The query block of the windowed patterns (local, longformer) when none is given: the
+# window's width left + right, within these bounds. Each block reads Q + left + right keys,
+# so a larger block wastes more of its scores but makes fewer, larger products, which run
+# faster. Measured on CPU (causal local attention, T = 8192, 8 heads of 64, forward +
+# backward, one process): at a window of 256, a block of 256 took 0.70x the time of 64;
+# at 1024, 256 took 0.53x (512 was 4% slower); at 64, blocks of 32 to 128 tied and 256 was
+# 1.4x slower. GPU and TPU take the same rule, unmeasured.
+_WINDOW_BLOCK_BOUNDS = (64, 256)
+
+
+def _block(block_size: Any, T: int, fn: str, *, window: int | None = None) -> int:
+  """The query block Q: ``block_size`` (checked), at most T; None: from ``window``."""
+  if block_size is None and window is not None:
+    low, high = _WINDOW_BLOCK_BOUNDS
+    block_size = min(max(window, low), high)
   return min(checks.check_positive_int(block_size, name="block_size", fn=fn), T)
 
 
@@ -130,7 +143,7 @@ def local_attention(
     scale: float | None = None,
     key_value_seq_lengths: Any = None,
     implementation: SparseImplementation | None = None,
-    block_size: int = DEFAULT_BLOCK_SIZE,
+    block_size: int | None = None,
     return_state: bool = False,
 ) -> jax.Array | tuple[jax.Array, LocalState]:
   """Sliding-window softmax attention in O(T·w).
@@ -150,7 +163,8 @@ def local_attention(
     key_value_seq_lengths: optional ``[B]`` ints; later keys are masked.
     implementation: ``"blocked"`` (default) or ``"reference"``.
     block_size: query rows per gathered block; each block gathers
-      ``block_size + left + right`` keys.
+      ``block_size + left + right`` keys. Default: the window's width
+      ``left + right`` within [64, 256] (fewer, larger products; measured on CPU).
     return_state: also return the :class:`LocalState` after the S keys (the
       last ``left + 1`` keys and values), from which
       :func:`local_attention_step` decodes on (causal only; every key counts,
@@ -186,7 +200,8 @@ def local_attention(
         "the decoding window after all S keys).")
 
   def pattern(T: int, S: int) -> _Pattern:
-    rows, keys = _window_pass(T, S, _block(block_size, T, fn), left, right)
+    rows, keys = _window_pass(T, S, _block(block_size, T, fn, window=left + right), left,
+                              right)
     plan = Plan(rows, keys[None], dedupe(keys[None], np.ones(keys[None].shape, bool), S))
     rule = lambda q, k: masks_lib.local_predicate(q, k, T, S, left, right)  # noqa: E731
     return _Pattern(lambda: masks_lib.local(T, S, (left, right)), (_Pass(plan, rule),))
@@ -564,7 +579,7 @@ def longformer_attention(
     scale: float | None = None,
     key_value_seq_lengths: Any = None,
     implementation: SparseImplementation | None = None,
-    block_size: int = DEFAULT_BLOCK_SIZE,
+    block_size: int | None = None,
 ) -> jax.Array:
   """Longformer attention: a local window plus global tokens. Cost O(T·(w + g)).
 
@@ -603,7 +618,8 @@ def longformer_attention(
 
   def pattern(T: int, S: int) -> _Pattern:
     glob = masks_lib.check_global_positions(global_positions, S, fn)
-    rows, window = _window_pass(T, S, _block(block_size, T, fn), left, right)
+    rows, window = _window_pass(T, S, _block(block_size, T, fn, window=left + right), left,
+                                right)
     keys = np.concatenate([window, np.broadcast_to(glob, (rows.shape[0], glob.size))], 1)[None]
     tiled = Plan(rows, keys, dedupe(keys, np.ones(keys.shape, bool), S))
     rule = lambda q, k: masks_lib.longformer_predicate(q, k, T, S, left, right, glob)  # noqa: E731
