@@ -102,6 +102,18 @@ def test_a_global_row_reading_every_key_does_not_grow_the_program_with_t():
   assert size(64) == size(256)
 
 
+@pytest.mark.parametrize("left, Q", [(10, 64), (100, 100), (300, 256)])
+def test_the_default_query_block_is_the_window_within_64_and_256(left, Q):
+  """Without ``block_size``, local and Longformer attention score blocks of Q rows against
+  Q + left keys (causal), with Q the window clipped to [64, 256]."""
+  x = jnp.ones((1, 1024, 1, 4))
+  R, L = -(-1024 // Q), Q + left
+  longformer = functools.partial(la.longformer_attention, global_positions=(0,))
+  for f, extra in ((la.local_attention, 0), (longformer, 1)):  # Longformer: one global key.
+    jaxpr = str(jax.make_jaxpr(lambda x, f=f: f(x, x, x, window_size=(left, 0), is_causal=True))(x))
+    assert f"{R},{Q},{L + extra}]" in jaxpr, (f, R, Q, L + extra)
+
+
 def test_local_attention_reads_its_windows_without_gather_or_scatter():
   """Forward and backward: slices and pads, which run far faster on CPU than a gather and
   its transpose, a scatter-add."""
