@@ -107,9 +107,9 @@ def _all_keys(rows: np.ndarray, S: int) -> Plan:
 # window's width left + right, within these bounds. Each block reads Q + left + right keys,
 # so a larger block wastes more of its scores but makes fewer, larger products, which run
 # faster. Measured on CPU (causal local attention, T = 8192, 8 heads of 64, forward +
-# backward, one process): at a window of 256, a block of 256 took 0.70x the time of 64;
-# at 1024, 256 took 0.53x (512 was 4% slower); at 64, blocks of 32 to 128 tied and 256 was
-# 1.4x slower. GPU and TPU take the same rule, unmeasured.
+# backward, one process per run): at a window of 256, a block of 256 took 0.70-0.75x the
+# time of 64 (three runs); at 1024, 256 took 0.53x (512 was 4% slower); at 64, blocks of
+# 32 to 128 tied and 256 was 1.4x slower. GPU and TPU take the same rule, unmeasured.
 _WINDOW_BLOCK_BOUNDS = (64, 256)
 
 
