@@ -113,12 +113,18 @@ def _all_keys(rows: np.ndarray, S: int) -> Plan:
 _WINDOW_BLOCK_BOUNDS = (64, 256)
 
 
-def _block(block_size: Any, T: int, fn: str, *, window: int | None = None) -> int:
-  """The query block Q: ``block_size`` (checked), at most T; None: from ``window``."""
-  if block_size is None and window is not None:
-    low, high = _WINDOW_BLOCK_BOUNDS
-    block_size = min(max(window, low), high)
+def _block(block_size: Any, T: int, fn: str) -> int:
+  """The query block Q: ``block_size`` (checked), at most T."""
   return min(checks.check_positive_int(block_size, name="block_size", fn=fn), T)
+
+
+def _window_block(block_size: Any, T: int, left: int, right: int, fn: str) -> int:
+  """A windowed pattern's query block: ``block_size``, or for None the window's width
+  ``left + right`` within ``_WINDOW_BLOCK_BOUNDS``."""
+  if block_size is None:
+    low, high = _WINDOW_BLOCK_BOUNDS
+    block_size = min(max(left + right, low), high)
+  return _block(block_size, T, fn)
 
 
 def _window_pass(T: int, S: int, Q: int, left: int, right: int) -> tuple[np.ndarray, np.ndarray]:
@@ -200,8 +206,7 @@ def local_attention(
         "the decoding window after all S keys).")
 
   def pattern(T: int, S: int) -> _Pattern:
-    rows, keys = _window_pass(T, S, _block(block_size, T, fn, window=left + right), left,
-                              right)
+    rows, keys = _window_pass(T, S, _window_block(block_size, T, left, right, fn), left, right)
     plan = Plan(rows, keys[None], dedupe(keys[None], np.ones(keys[None].shape, bool), S))
     rule = lambda q, k: masks_lib.local_predicate(q, k, T, S, left, right)  # noqa: E731
     return _Pattern(lambda: masks_lib.local(T, S, (left, right)), (_Pass(plan, rule),))
@@ -618,8 +623,8 @@ def longformer_attention(
 
   def pattern(T: int, S: int) -> _Pattern:
     glob = masks_lib.check_global_positions(global_positions, S, fn)
-    rows, window = _window_pass(T, S, _block(block_size, T, fn, window=left + right), left,
-                                right)
+    Q = _window_block(block_size, T, left, right, fn)
+    rows, window = _window_pass(T, S, Q, left, right)
     keys = np.concatenate([window, np.broadcast_to(glob, (rows.shape[0], glob.size))], 1)[None]
     tiled = Plan(rows, keys, dedupe(keys, np.ones(keys.shape, bool), S))
     rule = lambda q, k: masks_lib.longformer_predicate(q, k, T, S, left, right, glob)  # noqa: E731

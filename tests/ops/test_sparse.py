@@ -78,7 +78,7 @@ def test_local_cost_follows_the_window_not_t_squared(T):
     (-1, 2, 1, 12),  # One long window (a group of rows that reads every key).
 ])
 def test_sliding_windows_equal_the_gathered_positions(start, stride, R, L):
-  """``windows`` (slices of blocks) gives what gathering the positions gives, with zeros
+  """``windows`` (slices) gives what gathering the positions gives, with zeros
   outside the sequence; ``window_start`` recognises exactly such position tables."""
   x = np.arange(2 * 10 * 3, dtype=np.float32).reshape(2, 10, 3)
   positions = start + stride * np.arange(R)[:, None] + np.arange(L)[None, :]
