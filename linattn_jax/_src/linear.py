@@ -184,7 +184,9 @@ def linear_attention(
     query: ``[B, T, N, H]`` (or unbatched ``[T, N, H]``).
     key: ``[B, S, K, H]``; K must divide N (GQA / MQA).
     value: ``[B, S, K, D]``.
-    feature_map: ``phi(x, *, is_query) -> [..., M]``, see ``feature_maps``.
+    feature_map: ``phi(x, *, is_query) -> [..., M]``, see ``feature_maps``;
+      a function of each row (position) alone: the causal forms apply it to
+      one chunk of positions at a time.
       The arrays of a pytree map (``projected(w, b)``, ``favor_plus(p)``)
       are passed as data: new values of the same shapes do not recompile.
       Random-feature maps are evaluated as they are (unstabilised); use

@@ -30,12 +30,11 @@ DROPPED = 2  # Visible to every query from position 2 on.
 EPS = 1e-2  # Large enough that misplacing it moves outputs well past float32 noise.
 
 
-def _dropped_key(featurize):
-  """Bug: key ``DROPPED`` never reaches the sums (as if padded)."""
+def _dropped_key(inputs):
+  """Bug: key ``DROPPED`` never reaches the sums (hidden, as if padded)."""
   def wrapped(*args, **kwargs):
-    chunk = featurize(*args, **kwargs)
-    return chunk._replace(fk=chunk.fk.at[:, :, DROPPED].set(0),
-                          lk=chunk.lk.at[:, :, DROPPED].set(-jnp.inf))
+    chunk = inputs(*args, **kwargs)
+    return chunk._replace(lk=chunk.lk.at[:, :, DROPPED].set(-jnp.inf))
   return wrapped
 
 
@@ -57,12 +56,13 @@ def _late_state(run_chunks):
   """Bug: each chunk reads the state as it was one chunk earlier (T == S, causal only)."""
   del run_chunks
 
-  def late(bodies, config, carry, chunk, *, is_causal, chunk_size):
+  def late(bodies, config, carry, chunk, *, is_causal, chunk_size, prepare):
     assert is_causal
     T = chunk.num_queries
 
     def step(carries, x):
       previous, current = carries
+      x = prepare(x)
       _, out = bodies.causal(config, previous, x)
       return (current, bodies.absorb(config, current, x)), out
 
@@ -72,7 +72,7 @@ def _late_state(run_chunks):
 
 
 BUGS = {
-    "dropped_key": ("featurize", _dropped_key, (False, True)),
+    "dropped_key": ("inputs", _dropped_key, (False, True)),
     "eps_outside_normaliser": ("_finish", _eps_outside, (False, True)),
     "eps_per_key": ("_finish", _eps_per_key, (False, True)),
     "state_one_chunk_late": ("run_chunks", _late_state, (True,)),

@@ -1,7 +1,8 @@
 """Performer attention beyond the shared suite: a log-space numpy oracle,
-stabilised eps, causal stability against extreme future keys, convergence to
-softmax attention as M grows, orthogonal vs Gaussian features, streaming with
-an explicit projection, the registry entries and errors."""
+stabilised eps, causal stability against extreme future keys, features made one
+chunk at a time, convergence to softmax attention as M grows, orthogonal vs
+Gaussian features, streaming with an explicit projection, the registry entries
+and errors."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import scipy.special
-from _helpers import Shape, assert_close, make_qkv
+from _helpers import Shape, assert_close, largest_intermediate, make_qkv
 
 import linattn_jax as la
 from linattn_jax import feature_maps as fm
@@ -119,6 +120,22 @@ def _mean_squared_errors(draw, M, *, kernel, amplitude, draws):
     return jnp.mean((out - want) ** 2)
 
   return np.asarray(jax.lax.map(one, jax.random.split(jax.random.key(1), draws)))
+
+
+@pytest.mark.parametrize("kernel", ["positive", "trig"])
+def test_the_chunked_form_featurises_one_chunk_at_a_time(kernel):
+  """Forward + backward never hold the features of the whole sequence, ``[T, M]`` per
+  head (4x the queries at M = 4H), nor their cotangents: the feature map runs inside
+  each chunk's checkpointed body. The same measure sees them where they are made."""
+  T, M, C = 1024, 64, 32
+  q, k, v = make_qkv(Shape(B=1, T=T, S=T, N=1, K=1, H=16, D=8))
+  w = fm.orthogonal_random_projection(jax.random.key(0), M, 16)
+  loss = lambda q, k, v: jnp.sum(la.performer_attention(  # noqa: E731
+      q, k, v, projection=w, kernel=kernel, is_causal=True, chunk_size=C) ** 2)
+  whole = T * M * (2 if kernel == "trig" else 1)
+  assert largest_intermediate(jax.make_jaxpr(jax.grad(loss, (0, 1, 2)))(q, k, v).jaxpr) < whole / 2
+  featurize = getattr(fm, {"positive": "favor_plus", "trig": "random_fourier"}[kernel])(w)
+  assert largest_intermediate(jax.make_jaxpr(featurize)(k).jaxpr) >= whole
 
 
 @pytest.mark.parametrize("kernel, amplitude", [("positive", 1.0), ("trig", 0.5)])
