@@ -40,8 +40,8 @@ body over them, so the backward pass keeps one state per chunk. The feature
 map runs inside that body, on one chunk at a time (``prepare``): the
 ``[T, M]`` features of a whole sequence, and their cotangents, never exist,
 and the backward pass recomputes a chunk's features where it needs them.
-For Performer (M = 4H) that took forward + backward from 0.96-1.09 s to
-0.67-0.73 s and its compiled temporaries from 578 to 151 MiB (causal,
+For Performer (M = 4H) that took forward + backward from 1.09-1.16 s to
+0.67-0.75 s and its compiled temporaries from 578 to 151 MiB (causal,
 T = 8192, 8 heads of 64, M = 256, CPU). A recurrence
 plugs in three functions (:class:`Bodies`): a causal body ``(config, carry,
 chunk) -> (carry, out)``, an absorb of keys every query sees, and a read of
