@@ -567,11 +567,9 @@ def featurizing(featurizer: Callable[..., Any], dtype) -> Callable[[Chunk], Chun
   return prepare
 
 
-def feature_sizes(prepare: Callable[[Chunk], Chunk], chunk: Chunk, *,
-                  fn: str) -> tuple[int, int]:
-  """``(M, M')`` of ``prepare(chunk)`` (traced for shapes only); a ValueError unless the
+def feature_sizes(chunk: Chunk, f: Chunk, *, fn: str) -> tuple[int, int]:
+  """``(M, M')`` of ``f``, the featurised ``chunk`` (or its shapes); a ValueError unless the
   feature map keeps the leading axes and gives queries and keys one M."""
-  f = jax.eval_shape(prepare, chunk)
   sizes = {x.shape[-1] for x in (f.fq, f.lq, f.fk, f.lk)} - {1}
   if (f.fq.shape[:-1] != chunk.fq.shape[:-1] or f.fk.shape[:-1] != chunk.fk.shape[:-1]
       or len(sizes) > 1 or f.lq.shape[:-1] != f.fq.shape[:-1]
@@ -586,9 +584,10 @@ def feature_sizes(prepare: Callable[[Chunk], Chunk], chunk: Chunk, *,
 def featurize(p: checks.Prepared, featurizer: Callable[..., Any], lengths, dtype, *,
               fn: str) -> Chunk:
   """The featurised :class:`Chunk` of all positions; padded keys hidden (lk = -inf, fk = v = 0)."""
-  chunk, prepare = inputs(p, lengths, dtype), featurizing(featurizer, dtype)
-  feature_sizes(prepare, chunk, fn=fn)
-  return prepare(chunk)
+  chunk = inputs(p, lengths, dtype)
+  featurised = featurizing(featurizer, dtype)(chunk)
+  feature_sizes(chunk, featurised, fn=fn)
+  return featurised
 
 
 def _state_fields(state_cls: type, lead: tuple[int, ...], K: int, M: int, M_log: int,
@@ -747,7 +746,7 @@ def _recurrent_attention(query, key, value, lengths, state, params, *, family, c
   dtype = checks.accumulation_dtype(p.query.dtype)
   chunk = inputs(p, lengths, dtype)
   prepare = featurizing(functools.partial(family.featurizer, params), dtype)
-  M, M_log = feature_sizes(prepare, chunk, fn=fn)
+  M, M_log = feature_sizes(chunk, jax.eval_shape(prepare, chunk), fn=fn)  # Shapes only.
   B, T, _, N, K, _, D = p.dims
   if state is None:
     carry = empty_carry(B, K, M, M_log, D, dtype, like=chunk.v)
