@@ -19,7 +19,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _helpers import SHAPES, assert_matches_oracle, build, kv_lengths, make_qkv, oracle_output
+from _helpers import (
+  SHAPES,
+  assert_causal,
+  assert_matches_oracle,
+  build,
+  kv_lengths,
+  make_qkv,
+  oracle_output,
+)
 from jax import lax
 
 import linattn_jax as la
@@ -144,3 +152,42 @@ def test_float32_oracle_is_within_the_bound_too(name):
     got = oracle(q, k, v, is_causal=is_causal, key_value_seq_lengths=lengths)
     assert_matches_oracle(got, spec, q, k, v, is_causal=is_causal, lengths=lengths,
                           err_msg=f"{shape} causal={is_causal} seed {seed}:")
+
+
+# Leaks a causal pass could have, each small next to the output: a key one step
+# ahead, the last key, another query, and a future key through a stabiliser
+# (a running max taken over all keys, which changes only under large keys).
+LEAKS = {
+    "one_key_ahead": lambda f, q, k, v: f(q, k[:, 1:], v[:, 1:]),
+    "last_key": lambda f, q, k, v: f(q, k, v) + 1e-3 * v[:, -1:, :1].sum(),
+    "other_query": lambda f, q, k, v: f(q, k, v) + 1e-3 * q[:, ::-1, :, :1].sum(-1, keepdims=True),
+    "stabiliser": lambda f, q, k, v: f(q, k, v) * (1 + 1e-3 * jnp.tanh(k.max() - 1e3)),
+}
+
+
+LEAK_MESSAGES = {"one_key_ahead": "future keys", "last_key": "future keys",
+                 "other_query": "other queries", "stabiliser": "past changed"}
+
+
+@pytest.mark.parametrize("leak", LEAKS)
+def test_the_causality_judge_rejects_each_leak_and_accepts_the_real_pass(leak):
+  fast, _ = build(la.get_spec("softmax"), "xla")
+  shape = SHAPES[0]
+
+  def program(make):
+    @jax.jit
+    def output_and_gradients(ct, q, k, v):
+      out, vjp = jax.vjp(make, q, k, v)
+      return out, vjp(ct)
+    return output_and_gradients
+
+  causal = functools.partial(fast, is_causal=True)
+  assert_causal(program(causal), shape)
+  if leak == "one_key_ahead":  # The same length of keys: the last one padded.
+    leaky = lambda q, k, v: LEAKS[leak](  # noqa: E731
+        causal, q, jnp.pad(k, ((0, 0), (0, 1), (0, 0), (0, 0))),
+        jnp.pad(v, ((0, 0), (0, 1), (0, 0), (0, 0))))
+  else:
+    leaky = functools.partial(LEAKS[leak], causal)
+  with pytest.raises(AssertionError, match=LEAK_MESSAGES[leak]):
+    assert_causal(program(leaky), shape)
