@@ -596,7 +596,8 @@ def assert_causal(output_and_gradients, shape: Shape) -> None:
   the causal mode, so that no program is compiled for it: the gradients for a
   random cotangent on query position t alone are row t of the Jacobian
   contracted with random weights, which are zero wherever that row is zero
-  (and, but for a measure-zero set of cotangents, nowhere else).
+  (and, but for a measure-zero set of cotangents, nowhere else). Every key
+  should be visible to the program: a padded key would hide a leak.
   """
   q, k, v = make_qkv(shape)
   ct = np.asarray(cotangent(jnp.zeros((shape.B, shape.T, shape.N, shape.D)), seed=7))
