@@ -592,44 +592,48 @@ def assert_causal(output_and_gradients, shape: Shape) -> None:
   """No output depends on a later key or on another query, and scaling future tokens
   by ×±30 or ×1e4 leaves past outputs unchanged and finite.
 
-  Judged with a compiled ``(ct, q, k, v) -> (out, (dq, dk, dv))`` program of
-  the causal mode, so that no program is compiled for it: the gradients for a
-  random cotangent on query position t alone are row t of the Jacobian
-  contracted with random weights, which are zero wherever that row is zero
-  (and, but for a measure-zero set of cotangents, nowhere else). Every key
-  should be visible to the program: a padded key would hide a leak.
+  Judged with one compiled ``(ct, q, k, v) -> (out, (dq, dk, dv))`` program
+  of the causal mode, which compiles at most on its first call here: the
+  gradients for a random cotangent on query position t alone are row t of the
+  Jacobian contracted with random weights, which are zero wherever that row is
+  zero (and, but for a measure-zero set of cotangents, nowhere else). Every
+  key should be visible to the program: a padded key would hide a leak.
   """
-  q, k, v = make_qkv(shape)
-  ct = np.asarray(cotangent(jnp.zeros((shape.B, shape.T, shape.N, shape.D)), seed=7))
+  q, k, v = (np.asarray(x) for x in make_qkv(shape))  # Perturbed in numpy below.
+  ct = np.asarray(cotangent(np.zeros((shape.B, shape.T, shape.N, shape.D), np.float32), seed=7))
   base = np.asarray(output_and_gradients(ct, q, k, v)[0])
-  # dependence[i][t, j]: does any output at query t depend on position j of input i?
-  dependence = [np.zeros((shape.T, n)) for n in (shape.T, shape.S, shape.S)]
-  for t in range(shape.T):
-    one_query = np.zeros_like(ct)
-    one_query[:, t] = ct[:, t]
-    _, grads = output_and_gradients(one_query, q, k, v)
-    for dep, g in zip(dependence, grads, strict=True):
-      dep[t] = np.abs(np.asarray(g, np.float64)).sum(axis=(0, 2, 3))
-  t = np.arange(shape.T)[:, None]
-  offset = shape.S - shape.T  # Query t sees keys j <= t + offset (bottom-right aligned).
-  future = np.arange(shape.S)[None, :] > t + offset
-  other_queries = np.arange(shape.T)[None, :] != t
-  dq, dk, dv = dependence
-  assert np.all(dk[future] == 0) and np.all(dv[future] == 0), "depends on future keys"
-  assert np.all(dq[other_queries] == 0), "depends on other queries"
-  assert np.any(dv[~future] > 0), "vacuous: no dependence on visible values"
+  with CompileCounter() as compiles:
+    # dependence[i][t, j]: does any output at query t depend on position j of input i?
+    dependence = [np.zeros((shape.T, n)) for n in (shape.T, shape.S, shape.S)]
+    for t in range(shape.T):
+      one_query = np.zeros_like(ct)
+      one_query[:, t] = ct[:, t]
+      _, grads = output_and_gradients(one_query, q, k, v)
+      for dep, g in zip(dependence, grads, strict=True):
+        dep[t] = np.abs(np.asarray(g, np.float64)).sum(axis=(0, 2, 3))
+    t = np.arange(shape.T)[:, None]
+    offset = shape.S - shape.T  # Query t sees keys j <= t + offset (bottom-right aligned).
+    future = np.arange(shape.S)[None, :] > t + offset
+    other_queries = np.arange(shape.T)[None, :] != t
+    dq, dk, dv = dependence
+    assert np.all(dk[future] == 0) and np.all(dv[future] == 0), "depends on future keys"
+    assert np.all(dq[other_queries] == 0), "depends on other queries"
+    assert np.any(dv[~future] > 0), "vacuous: no dependence on visible values"
 
-  q, k, v = (np.asarray(x) for x in (q, k, v))  # Perturbed in numpy: no program per slice.
-  for factor, t0 in itertools.product([30.0, -30.0, 1e4], range(max(0, -offset), shape.T - 1, 2)):
-    cut = t0 + 1 + offset  # First key position in query t0's future.
-    q2, k2, v2 = q.copy(), k.copy(), v.copy()
-    k2[:, cut:] *= factor
-    v2[:, cut:] *= factor
-    q2[:, t0 + 1:] *= factor
-    past = np.asarray(output_and_gradients(ct, q2, k2, v2)[0])[:, : t0 + 1]
-    assert np.all(np.isfinite(past)), f"non-finite past output (t0={t0}, factor={factor})"
-    np.testing.assert_allclose(past, base[:, : t0 + 1], rtol=1e-6, atol=1e-6,
-                               err_msg=f"past changed: future after t0={t0} times {factor}")
+    for factor, t0 in itertools.product([30.0, -30.0, 1e4],
+                                        range(max(0, -offset), shape.T - 1, 2)):
+      cut = t0 + 1 + offset  # First key position in query t0's future.
+      q2, k2, v2 = q.copy(), k.copy(), v.copy()
+      k2[:, cut:] *= factor
+      v2[:, cut:] *= factor
+      q2[:, t0 + 1:] *= factor
+      past = np.asarray(output_and_gradients(ct, q2, k2, v2)[0])[:, : t0 + 1]
+      assert np.all(np.isfinite(past)), f"non-finite past output (t0={t0}, factor={factor})"
+      np.testing.assert_allclose(past, base[:, : t0 + 1], rtol=1e-6, atol=1e-6,
+                                 err_msg=f"past changed: future after t0={t0} times {factor}")
+  assert compiles.count == 0, (
+      f"{compiles.count} programs compiled after the first call: call the program as its "
+      "first call did (same argument structure), so that one program judges causality")
 
 
 def has_custom_vjp(fn, *args) -> bool:
