@@ -63,7 +63,7 @@ def test_gate_parameters_and_the_gates_they_make(name, monkeypatch):
     dt = np.asarray(jax.nn.softplus(layer.dt_bias.get_value()))
     assert np.all((dt >= 1e-3 * (1 - 1e-5)) & (dt <= 1e-1 * (1 + 1e-5)))
   x = jax.random.normal(jax.random.key(12), (B, T, IN))
-  grads = nnx.grad(lambda m: jnp.sum(m(x, is_causal=True) ** 2))(layer)
+  grads = nnx.jit(nnx.grad(lambda m: jnp.sum(m(x, is_causal=True) ** 2)))(layer)
   for param in GATE_PARAMS[name]:  # The gates are trained with the layer.
     assert np.abs(grads[param].get_value()).sum() > 0, param
   seen = {}
