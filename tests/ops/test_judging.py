@@ -154,17 +154,20 @@ def test_float32_oracle_is_within_the_bound_too(name):
                           err_msg=f"{shape} causal={is_causal} seed {seed}:")
 
 
+def _one_ahead(x):
+  """Position j holds entry j + 1 (the last position a zero)."""
+  return jnp.pad(x[:, 1:], ((0, 0), (0, 1), (0, 0), (0, 0)))
+
+
 # Leaks a causal pass could have, each small next to the output: a key one step
 # ahead, the last key, another query, and a future key through a stabiliser
 # (a running max taken over all keys, which changes only under large keys).
 LEAKS = {
-    "one_key_ahead": lambda f, q, k, v: f(q, k[:, 1:], v[:, 1:]),
+    "one_key_ahead": lambda f, q, k, v: f(q, _one_ahead(k), _one_ahead(v)),
     "last_key": lambda f, q, k, v: f(q, k, v) + 1e-3 * v[:, -1:, :1].sum(),
     "other_query": lambda f, q, k, v: f(q, k, v) + 1e-3 * q[:, ::-1, :, :1].sum(-1, keepdims=True),
     "stabiliser": lambda f, q, k, v: f(q, k, v) * (1 + 1e-3 * jnp.tanh(k.max() - 1e3)),
 }
-
-
 LEAK_MESSAGES = {"one_key_ahead": "future keys", "last_key": "future keys",
                  "other_query": "other queries", "stabiliser": "past changed"}
 
@@ -183,11 +186,5 @@ def test_the_causality_judge_rejects_each_leak_and_accepts_the_real_pass(leak):
 
   causal = functools.partial(fast, is_causal=True)
   assert_causal(program(causal), shape)
-  if leak == "one_key_ahead":  # The same length of keys: the last one padded.
-    leaky = lambda q, k, v: LEAKS[leak](  # noqa: E731
-        causal, q, jnp.pad(k, ((0, 0), (0, 1), (0, 0), (0, 0))),
-        jnp.pad(v, ((0, 0), (0, 1), (0, 0), (0, 0))))
-  else:
-    leaky = functools.partial(LEAKS[leak], causal)
   with pytest.raises(AssertionError, match=LEAK_MESSAGES[leak]):
-    assert_causal(program(leaky), shape)
+    assert_causal(program(functools.partial(LEAKS[leak], causal)), shape)
