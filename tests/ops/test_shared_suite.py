@@ -6,7 +6,8 @@ lists is checked here against the spec's oracle:
 1. forward parity (odd lengths, T < S, T > S, GQA, MQA, D != H, padding);
 2. gradient parity on the same cases, and a float64 finite-difference check;
 3. causality, by the Jacobian and by perturbing future tokens, with the
-   parity test's compiled program;
+   parity test's compiled program (the oracles listed as implementations:
+   their own);
    streaming: scanning the one-token step equals the causal pass, and
    splitting a sequence anywhere and carrying the state equals one pass;
    the state protocol: a prefill's state decodes on with ``step``, and the
@@ -148,7 +149,7 @@ def test_gradient_finite_differences_float64(spec, is_causal, padded):
   """Float64 finite differences for the oracle and every hand-written backward.
 
   Gradients that autodiff derives (every other implementation) are judged
-  against the oracle's in ``test_gradient_matches_reference``, at a tighter
+  against the oracle's in ``test_output_and_gradients_match_reference``, at a tighter
   tolerance than finite differences allow; this check makes that oracle,
   and each ``custom_vjp``, trustworthy.
   """
