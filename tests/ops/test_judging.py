@@ -27,6 +27,7 @@ from _helpers import (
   kv_lengths,
   make_qkv,
   oracle_output,
+  output_and_gradients_program,
 )
 from jax import lax
 
@@ -172,25 +173,18 @@ LEAK_MESSAGES = {"one_key_ahead": "future keys", "last_key": "future keys",
                  "other_query": "other queries", "stabiliser": "past changed"}
 
 
-def _causality_program(make):
-  @jax.jit
-  def output_and_gradients(ct, q, k, v):
-    out, vjp = jax.vjp(make, q, k, v)
-    return out, vjp(ct)
-  return output_and_gradients
-
-
 _CAUSAL_SOFTMAX = functools.partial(build(la.get_spec("softmax"), "xla")[0], is_causal=True)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_the_causality_judge_accepts_a_causal_pass(shape):
-  assert_causal(_causality_program(_CAUSAL_SOFTMAX), shape)
+  assert_causal(output_and_gradients_program(_CAUSAL_SOFTMAX), shape)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("leak", LEAKS)
 def test_the_causality_judge_rejects_each_leak(leak, shape):
   """On T = S, T < S and T > S: the future mask follows the alignment."""
+  leaky = output_and_gradients_program(functools.partial(LEAKS[leak], _CAUSAL_SOFTMAX))
   with pytest.raises(AssertionError, match=LEAK_MESSAGES[leak]):
-    assert_causal(_causality_program(functools.partial(LEAKS[leak], _CAUSAL_SOFTMAX)), shape)
+    assert_causal(leaky, shape)

@@ -47,6 +47,7 @@ from _helpers import (
   has_custom_vjp,
   kv_lengths,
   make_qkv,
+  output_and_gradients_program,
   spec_cases,
   suite_options,
 )
@@ -120,11 +121,8 @@ def test_output_and_gradients_match_reference(case, is_causal, shape, padded, se
     return
   lengths = kv_lengths(shape) if padded else None
 
-  @jax.jit
-  def output_and_gradients(ct, q, k, v, lengths):
-    out, vjp = jax.vjp(lambda *qkv: _call(fast, *qkv, is_causal, lengths), q, k, v)
-    return out, vjp(ct.astype(out.dtype))
-
+  output_and_gradients = output_and_gradients_program(
+      lambda q, k, v, lengths: _call(fast, q, k, v, is_causal, lengths))
   for seed in seeds:
     q, k, v = make_qkv(shape, seed=seed)
     ct = cotangent(jnp.zeros((shape.B, shape.T, shape.N, shape.D)), seed=seed + 1)
@@ -187,15 +185,8 @@ ORACLE_CASES = [c for c in CAUSAL_CASES if c.implementation == "reference"]
 def test_the_oracles_are_causal(case, shape):
   """The fast implementations' causality is judged in the parity test, by the
   program it compiles; this judges the oracles listed as implementations."""
-  spec, impl = case
-  fast, _ = build(spec, impl)
-
-  @jax.jit
-  def output_and_gradients(ct, q, k, v):
-    out, vjp = jax.vjp(lambda *qkv: _call(fast, *qkv, True), q, k, v)
-    return out, vjp(ct.astype(out.dtype))
-
-  assert_causal(output_and_gradients, shape)
+  fast, _ = build(*case)
+  assert_causal(output_and_gradients_program(functools.partial(fast, is_causal=True)), shape)
 
 
 # Streaming -----------------------------------------------------------------
@@ -418,14 +409,11 @@ def test_low_precision_round_trip(case, dtype, seeds):
   lengths = kv_lengths(shape)
   ct = cotangent(jnp.zeros((shape.B, shape.T, shape.N, shape.D), dtype))
 
-  @jax.jit
-  def output_and_gradients(q, k, v):
-    out, vjp = jax.vjp(lambda *qkv: _call(fast, *qkv, is_causal, lengths), q, k, v)
-    return out, vjp(ct)
-
+  output_and_gradients = output_and_gradients_program(
+      lambda q, k, v: _call(fast, q, k, v, is_causal, lengths))
   for seed, amplitude in itertools.product(seeds, (1.0, 30.0)):  # 30: near one-hot weights.
     q, k, v = make_qkv(shape, dtype, seed=seed, amplitude=amplitude)
-    out, grads = output_and_gradients(q, k, v)
+    out, grads = output_and_gradients(ct, q, k, v)
     assert out.dtype == dtype
     msg = f"seed {seed}, amplitude {amplitude}:"
     if amplitude == 1.0:

@@ -588,6 +588,16 @@ def assert_finite_gradients(grads, spec, q, k, v, *, is_causal, lengths, ct,
     assert not np.any(bad), f"{err_msg} d{name}: not finite at {np.argwhere(bad)[:5].tolist()}"
 
 
+def output_and_gradients_program(fn):
+  """``jax.jit`` of ``(ct, q, k, v, *args) -> (out, (dq, dk, dv))`` for ``out = fn(q, k, v,
+  *args)``: the output and the gradients of ``Σ ct·out``, one compiled program."""
+  @jax.jit
+  def output_and_gradients(ct, q, k, v, *args):
+    out, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, *args), q, k, v)
+    return out, vjp(ct.astype(out.dtype))
+  return output_and_gradients
+
+
 def assert_causal(output_and_gradients, shape: Shape) -> None:
   """No output depends on a later key or on another query, and scaling future tokens
   by ×±30 or ×1e4 leaves past outputs unchanged and finite.
