@@ -8,7 +8,6 @@ import jax.numpy as jnp
 import jax.test_util
 import numpy as np
 import pytest
-import scipy.stats
 from _helpers import CompileCounter
 
 import linattn_jax as la
@@ -121,6 +120,8 @@ def test_orthogonal_projection_rows_are_orthogonal_within_blocks():
 @pytest.mark.parametrize("draw", [fm.gaussian_random_projection,
                                   fm.orthogonal_random_projection])
 def test_projection_row_norms_are_chi_distributed(draw):
+  import scipy.stats  # Here, not at the top: it takes a second to import, in every worker.
+
   M, Hd = 4096, 8
   w = np.asarray(draw(jax.random.key(7), M, Hd), np.float64)
   sq_norms = np.sum(w * w, axis=1)
