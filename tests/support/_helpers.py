@@ -370,7 +370,9 @@ def _oracle_forward(spec, what, is_causal: bool, with_weights: bool):
 
 
 def oracle_output(spec, options, q, k, v, is_causal, lengths):
-  """The spec's oracle on ``q, k, v``; float64 (same rounded inputs) when it judges by weights.
+  """The spec's oracle on ``q, k, v``: float64 on the same rounded inputs when it judges
+  by weights, else at least float32 (the fast paths' own accumulation, so that the
+  table's budget is their rounding alone, and 16-bit inputs share the float32 program).
 
   Returns ``(out, weights)``; ``weights`` is None for variants judged by the table.
   """
@@ -378,7 +380,8 @@ def oracle_output(spec, options, q, k, v, is_causal, lengths):
   with_weights = spec.weights is not None
   run = _oracle_forward(spec, what, is_causal, with_weights)
   if not with_weights:
-    return run(q, k, v, lengths)
+    compute = accumulation_dtype(q.dtype)
+    return run(*(jnp.asarray(x).astype(compute) for x in (q, k, v)), lengths)
   with jax.enable_x64(True):
     out, weights = run(*(jnp.asarray(x, jnp.float64) for x in (q, k, v)), lengths)
     return np.asarray(out), jax.tree.map(np.asarray, weights)
@@ -410,8 +413,9 @@ def assert_matches_oracle(got, spec, q, k, v, *, is_causal, lengths=None, option
 
   Variants with ``weights`` are judged against the float64 oracle on the
   same rounded inputs, element by element within :func:`conditioning_bound`;
-  the others against the oracle in the input's precision, within
-  ``TOLERANCE`` (their normalisers are sums of positive terms).
+  the others against the oracle in float32 (float64 for float64 inputs) on
+  the same rounded inputs, within the input dtype's ``TOLERANCE`` (their
+  normalisers are sums of positive terms).
   """
   want, weights = oracle_output(spec, options or {}, q, k, v, is_causal, lengths)
   _judge_output(got, want, weights, q.dtype, v, err_msg)
