@@ -28,6 +28,7 @@ from _helpers import (
   make_qkv,
   oracle_output,
   output_and_gradients_program,
+  same_program,
 )
 from jax import lax
 
@@ -188,3 +189,25 @@ def test_the_causality_judge_rejects_each_leak(leak, shape):
   leaky = output_and_gradients_program(functools.partial(LEAKS[leak], _CAUSAL_SOFTMAX))
   with pytest.raises(AssertionError, match=LEAK_MESSAGES[leak]):
     assert_causal(leaky, shape)
+
+
+def test_one_program_is_told_from_another():
+  """The parity test judges implementations that trace to one program once; programs
+  differing in their jaxpr, or only in a constant, must not count as one."""
+  shape = SHAPES[0]
+  q, k, v = make_qkv(shape)
+  ct = jnp.ones((shape.B, shape.T, shape.N, shape.D))
+
+  def traced(impl, is_causal=False, **options):
+    fast, _ = build(la.get_spec("performer"), impl, **options)
+    return output_and_gradients_program(
+        functools.partial(fast, is_causal=is_causal)).trace(ct, q, k, v)
+
+  assert same_program(traced("scan"), traced("chunked"))  # Their full mode is one form.
+  assert not same_program(traced("scan", True), traced("chunked", True))
+  projection = np.random.default_rng(0).standard_normal((16, shape.H)).astype(np.float32)
+  moved = projection.copy()
+  moved[0, 0] += 1.0
+  one, other = (traced("scan", projection=jnp.asarray(p)) for p in (projection, moved))
+  assert str(one.jaxpr) == str(other.jaxpr)  # The same jaxpr, closing over other values.
+  assert same_program(one, one) and not same_program(one, other)

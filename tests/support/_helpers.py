@@ -602,6 +602,14 @@ def output_and_gradients_program(fn):
   return output_and_gradients
 
 
+def same_program(traced, other) -> bool:
+  """Whether two traced programs (``jax.jit(f).trace(...)``) are one computation: equal
+  jaxprs and equal constants (an array closed over, such as a projection, is a constant)."""
+  consts = traced.jaxpr.consts, other.jaxpr.consts
+  return str(traced.jaxpr) == str(other.jaxpr) and len(consts[0]) == len(consts[1]) and all(
+      np.array_equal(a, b) for a, b in zip(*consts, strict=True))
+
+
 def assert_causal(output_and_gradients, shape: Shape) -> None:
   """No output depends on a later key or on another query, and scaling future tokens
   by ×±30 or ×1e4 leaves past outputs unchanged and finite.
