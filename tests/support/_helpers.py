@@ -610,7 +610,7 @@ def same_program(traced, other) -> bool:
       np.array_equal(a, b) for a, b in zip(*consts, strict=True))
 
 
-def assert_causal(output_and_gradients, shape: Shape) -> None:
+def assert_causal(output_and_gradients, shape: Shape, *args) -> None:
   """No output depends on a later key or on another query, and scaling future tokens
   by ×±30 or ×1e4 leaves past outputs unchanged and finite.
 
@@ -618,19 +618,20 @@ def assert_causal(output_and_gradients, shape: Shape) -> None:
   of the causal mode, which compiles at most on its first call here: the
   gradients for a random cotangent on query position t alone are row t of the
   Jacobian contracted with random weights, which are zero wherever that row is
-  zero (and, but for a measure-zero set of cotangents, nowhere else). Every
-  key should be visible to the program: a padded key would hide a leak.
+  zero (and, but for a measure-zero set of cotangents, nowhere else). ``args``
+  follow ``(ct, q, k, v)`` in every call; every key should be visible to the
+  program: a padded key would hide a leak.
   """
   q, k, v = (np.asarray(x) for x in make_qkv(shape))  # Perturbed in numpy below.
   ct = np.asarray(cotangent(np.zeros((shape.B, shape.T, shape.N, shape.D), np.float32), seed=7))
-  base = np.asarray(output_and_gradients(ct, q, k, v)[0])
+  base = np.asarray(output_and_gradients(ct, q, k, v, *args)[0])
   with CompileCounter() as compiles:
     # dependence[i][t, j]: does any output at query t depend on position j of input i?
     dependence = [np.zeros((shape.T, n)) for n in (shape.T, shape.S, shape.S)]
     for t in range(shape.T):
       one_query = np.zeros_like(ct)
       one_query[:, t] = ct[:, t]
-      _, grads = output_and_gradients(one_query, q, k, v)
+      _, grads = output_and_gradients(one_query, q, k, v, *args)
       for dep, g in zip(dependence, grads, strict=True):
         dep[t] = np.abs(np.asarray(g, np.float64)).sum(axis=(0, 2, 3))
     t = np.arange(shape.T)[:, None]
@@ -649,7 +650,7 @@ def assert_causal(output_and_gradients, shape: Shape) -> None:
       k2[:, cut:] *= factor
       v2[:, cut:] *= factor
       q2[:, t0 + 1:] *= factor
-      past = np.asarray(output_and_gradients(ct, q2, k2, v2)[0])[:, : t0 + 1]
+      past = np.asarray(output_and_gradients(ct, q2, k2, v2, *args)[0])[:, : t0 + 1]
       assert np.all(np.isfinite(past)), f"non-finite past output (t0={t0}, factor={factor})"
       np.testing.assert_allclose(past, base[:, : t0 + 1], rtol=1e-6, atol=1e-6,
                                  err_msg=f"past changed: future after t0={t0} times {factor}")
