@@ -24,8 +24,10 @@ from linattn_jax._src.registry import get_spec
 
 B, IN, N, K = 2, 16, 4, 2  # GQA: two query heads per key/value head; H = IN / N = 4.
 L, C = 40, 48  # Decoded positions, cache capacity (longer: the rows must not depend on C).
-# A prompt, steps, a chunk, steps, a longer chunk, steps: T > 1 and T = 1 at many positions.
-PIECES = (9, 1, 1, 1, 7, 1, 1, 12, 1, 1, 1, 1, 1, 1, 1)
+# A prompt, steps, a chunk, steps, a longer chunk, steps: T > 1 and T = 1 at many positions,
+# in three shapes (one compiled program each). Longformer's global positions 0, 7 and 20
+# fall in the prompt, on a step and inside the longer chunk.
+PIECES = (7, 1, 1, 1, 7, 1, 1, 12, 1, 1, 1, 1, 1, 1, 1, 1, 1)
 
 
 def _shared_layout(nq: int, nk: int) -> np.ndarray:
