@@ -311,8 +311,10 @@ def test_decoding_with_a_short_convolution_equals_the_full_pass():
                       num_heads=2, num_kv_heads=1, attention="linear_elu", attention_options={},
                       dtype=None, short_conv=3, rngs=nnx.Rngs(0))
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 11, (2, 9)))
-  full = model(tokens)
+  full = nnx.jit(lambda model, tokens: model(tokens))(model, tokens)
   model.init_cache(2, 12)
-  steps = [model(tokens[:, :4], decode=True)]  # A prompt, then one token at a time.
-  steps += [model(tokens[:, t:t + 1], position=t, decode=True) for t in range(4, 9)]
+  # A prompt, then one token at a time (one compiled step; the position is traced).
+  decode = nnx.jit(lambda model, tokens, position: model(tokens, position=position, decode=True))
+  steps = [decode(model, tokens[:, :4], 0)]
+  steps += [decode(model, tokens[:, t:t + 1], t) for t in range(4, 9)]
   np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, rtol=2e-5, atol=2e-5)

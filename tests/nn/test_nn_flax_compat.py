@@ -125,8 +125,9 @@ def test_decode_in_flax_form_with_flax_cache_names():
     layer.init_cache(x.shape)
   assert ours.cached_key.shape == theirs.cached_key.shape == (T, K, IN // N)
   assert ours.cached_key.dtype == theirs.cached_key.dtype == jnp.float32
+  step = nnx.jit(lambda layer, x: layer(x))  # One program per layer for the steps.
   for t in range(4):
-    np.testing.assert_allclose(ours(x[t:t + 1]), theirs(x[t:t + 1]), **ATOL)
+    np.testing.assert_allclose(step(ours, x[t:t + 1]), step(theirs, x[t:t + 1]), **ATOL)
   np.testing.assert_allclose(ours.cached_key, theirs.cached_key[...], **ATOL)
   np.testing.assert_allclose(ours.cached_value, theirs.cached_value[...], **ATOL)
   assert int(ours.cache_index) == int(theirs.cache_index[...]) == 4
@@ -156,7 +157,8 @@ def test_any_number_of_batch_dims(name):
       layer(x.reshape(6, T, IN), key_value_seq_lengths=lengths.reshape(6)).reshape(x.shape),
       **ATOL)
   layer.init_cache((2, 3, T, IN))
-  steps = jnp.concatenate([layer(x[..., t:t + 1, :], decode=True) for t in range(T)], axis=-2)
+  step = nnx.jit(lambda layer, x: layer(x, decode=True))  # One program for the T steps.
+  steps = jnp.concatenate([step(layer, x[..., t:t + 1, :]) for t in range(T)], axis=-2)
   np.testing.assert_allclose(steps, layer(x, is_causal=True), atol=1e-5, rtol=1e-5)
   if name == "softmax":
     assert layer.cached_key.shape == (2, 3, T, N, IN // N)
@@ -187,7 +189,8 @@ def test_mask_while_decoding_a_kv_cache():
   mask = mask | jnp.eye(T, dtype=bool)[None, None]  # Each token sees itself.
   full = layer(x, mask=mask & jnp.tril(jnp.ones((T, T), bool))[None, None])
   layer.init_cache(x.shape)
-  steps = [layer(x[:, t:t + 1], decode=True, mask=mask[:, :, t:t + 1]) for t in range(T)]
+  step = nnx.jit(lambda layer, x, mask: layer(x, decode=True, mask=mask))  # One program.
+  steps = [step(layer, x[:, t:t + 1], mask[:, :, t:t + 1]) for t in range(T)]
   np.testing.assert_allclose(jnp.concatenate(steps, 1), full, atol=1e-5, rtol=1e-5)
 
 
