@@ -130,28 +130,29 @@ def test_output_and_gradients_match_reference(cases, is_causal, shape, padded, s
   compiled and judged again.
   """
   lengths = kv_lengths(shape) if padded else None
+  q, k, v = make_qkv(shape)  # For tracing and the error checks; the seeds' inputs below.
+  trace_ct = cotangent(jnp.zeros((shape.B, shape.T, shape.N, shape.D)))
   judged = []
   for spec, impl in cases:
     fast, _ = build(spec, impl)
-    q, k, v = make_qkv(shape)
     if not _check_or_expect_error(spec, impl, fast, q, k, v, is_causal):
       continue
     output_and_gradients = output_and_gradients_program(
         lambda q, k, v, lengths, fast=fast: _call(fast, q, k, v, is_causal, lengths))
-    ct = cotangent(jnp.zeros((shape.B, shape.T, shape.N, shape.D)))
-    traced = output_and_gradients.trace(ct, q, k, v, lengths)
+    traced = output_and_gradients.trace(trace_ct, q, k, v, lengths)
     if any(same_program(traced, other) for other in judged):
       continue
     judged.append(traced)
     for seed in seeds:
-      q, k, v = make_qkv(shape, seed=seed)
+      qs, ks, vs = make_qkv(shape, seed=seed)
       ct = cotangent(jnp.zeros((shape.B, shape.T, shape.N, shape.D)), seed=seed + 1)
-      out, grads = output_and_gradients(ct, q, k, v, lengths)
+      out, grads = output_and_gradients(ct, qs, ks, vs, lengths)
       assert out.shape == (shape.B, shape.T, shape.N, shape.D)
-      assert out.dtype == q.dtype
+      assert out.dtype == qs.dtype
       msg = f"{impl}, seed {seed}:"
-      assert_output_and_gradients_match_oracle(out, grads, spec, q, k, v, is_causal=is_causal,
-                                               lengths=lengths, ct=ct, err_msg=msg)
+      assert_output_and_gradients_match_oracle(out, grads, spec, qs, ks, vs,
+                                               is_causal=is_causal, lengths=lengths, ct=ct,
+                                               err_msg=msg)
     if is_causal:  # Every key visible: padding would hide a leak.
       full = None if lengths is None else jnp.full_like(lengths, shape.S)
       assert_causal(output_and_gradients, shape, full)
