@@ -1,14 +1,16 @@
-"""Padding and block (chunk) reshapes along one axis.
+"""Padding, block (chunk) reshapes and prefix sums along one axis.
 
 ``split_blocks`` turns a length-L axis into ``[L / C, ..., C, ...]`` with the
 block index first, ready for ``lax.scan`` / ``lax.map``; ``merge_blocks`` is
 its inverse. Lengths that are not a multiple of the block are padded first.
+``prefix_sums`` is a cumulative sum over a block's C positions.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 
 def num_blocks(length: int, block: int) -> int:
@@ -48,3 +50,19 @@ def merge_blocks(x: jax.Array, axis: int, length: int) -> jax.Array:
   block = x.shape[axis + 1]
   x = x.reshape(x.shape[:axis] + (n * block,) + x.shape[axis + 2:])
   return jax.lax.slice_in_dim(x, 0, length, axis=axis)
+
+
+def prefix_sums(x: jax.Array, axis: int) -> jax.Array:
+  """``out_i = Σ_{l≤i} x_l`` along ``axis``, as a product with the ``[C, C]`` lower triangle.
+
+  For a chunk's C positions, not a sequence (the product costs C² per column).
+  ``jnp.cumsum`` lowers to a reduce-window on XLA:CPU, which inside a chunk body
+  (C = 32, 4 heads of 64 features) took longer than the rest of the prefix's work,
+  forward and backward; the product and its transpose (the upper triangle) are two
+  small matmuls. ``HIGHEST`` precision: no TF32 rounding of float32 on GPUs.
+  """
+  axis = axis % x.ndim
+  C = x.shape[axis]
+  lower = jnp.tril(jnp.ones((C, C), x.dtype))
+  summed = jnp.tensordot(lower, x, axes=(1, axis), precision=lax.Precision.HIGHEST)
+  return jnp.moveaxis(summed, 0, axis)

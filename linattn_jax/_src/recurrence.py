@@ -83,7 +83,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from linattn_jax._src import checks
-from linattn_jax._src.blocks import merge_blocks, pad_axis, split_blocks
+from linattn_jax._src.blocks import merge_blocks, pad_axis, prefix_sums, split_blocks
 from linattn_jax._src.masks import causal, length_predicate
 from linattn_jax._src.online_softmax import exponent_shift, safe_divide
 from linattn_jax._src.registry import AttentionSpec, ParamSpec, StreamingSpec, register_attention
@@ -396,7 +396,7 @@ def _chunk_block(config: ReadConfig, carry: Carry, chunk: Chunk):
   x = lk - shift[:, :, None]
   e = chunk.fk * jnp.exp(jnp.where(x <= MAX_RISE, x, MAX_RISE))  # [B, K, C, M]
   w = jnp.exp(state_max - shift)  # [B, K, M], <= 1.
-  den = (w * carry.k_sum)[:, :, None] + jnp.cumsum(e, axis=2)  # [B, K, C, M], units exp(R).
+  den = (w * carry.k_sum)[:, :, None] + prefix_sums(e, 2)  # [B, K, C, M], units exp(R).
   coef = _coefficients(config.read, chunk.fq, chunk.lq, R[:, :, None, None], m[:, :, None],
                        den[:, :, None])
   # Rows left to the exact form read nothing here (zeros, zero gradients, never inf).
@@ -417,6 +417,9 @@ def _chunk_masked(config: ReadConfig, carry: Carry, chunk: Chunk):
     out = exact()
   else:  # Rows are replaced, never recomputed: each row's value depends on its own past.
     out, needs_exact = _chunk_block(config, carry, chunk)
+    # Differentiated, a cond keeps the residuals of both branches: unless the exact form
+    # is checkpointed, every chunk writes its [C, C, M] residuals (zeros when not taken).
+    exact = jax.checkpoint(exact)
     out = lax.cond(jnp.any(needs_exact),
                    lambda: jnp.where(needs_exact[:, :, None, :, None], exact(), out),
                    lambda: out)
