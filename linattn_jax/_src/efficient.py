@@ -230,8 +230,9 @@ def efficient_attention(
     implementation: ``"reference"`` (the O(T·S·H) oracle), ``"parallel"``
       (non-causal only: one key softmax and two small matrix products),
       ``"scan"`` (token recurrence within checkpointed chunks), ``"chunked"``
-      (chunks of ``chunk_size``: masked ``[C, C]`` weights within, the state
-      across; one state per chunk kept for the backward pass), or None:
+      (chunks of ``chunk_size``: the states scanned from chunk to chunk, then
+      every chunk's masked ``[C, C]`` weights at once; causal, it is
+      differentiable in reverse mode only, ``"scan"`` in both), or None:
       ``"chunked"`` when causal, else ``"parallel"``. ``"scan"`` and
       ``"chunked"`` compute the non-causal form like ``"parallel"``.
     chunk_size: chunk length C of the causal forms (static).

@@ -54,6 +54,10 @@ from linattn_jax._src import masks as masks_lib
 from linattn_jax._src.online_softmax import exponent_shift, logaddexp, logsumexp
 from linattn_jax._src.recurrence import DEFAULT_PER_FEATURE_CHUNK_SIZE as DEFAULT_CHUNK_SIZE
 
+# C of the log-value form's chunks: its own log-space bodies, chunk by chunk, keep the
+# per-feature forms' former default.
+LOG_CHUNK_SIZE = 32
+
 HeinsenImplementation = Literal["reference", "parallel", "scan", "associative_scan", "chunked"]
 IMPLEMENTATIONS: tuple[str, ...] = typing.get_args(HeinsenImplementation)
 # log_heinsen_attention's own (log-space) forms.
@@ -270,9 +274,10 @@ def heinsen_attention(
       summary of all keys; causal: the prefix states of every position at once by
       ``lax.associative_scan``, ``[T, H, D]`` per kv head),
       ``"scan"`` (token recurrence), ``"associative_scan"`` (per chunk), ``"chunked"``
-      (chunks of ``chunk_size``: masked ``[C, C]`` weights within, the state across; one
-      state per chunk kept for the backward pass), or None: ``"chunked"`` when causal,
-      else ``"parallel"``.
+      (chunks of ``chunk_size``: the states scanned from chunk to chunk, then every
+      chunk's masked ``[C, C]`` weights at once; causal, it is differentiable in reverse
+      mode only, the other forms in both), or None: ``"chunked"`` when causal, else
+      ``"parallel"``.
     chunk_size: positions per chunk of the causal forms (static).
     initial_state: a :class:`HeinsenState` of earlier keys, seen by every query.
     return_state: also return the state after all (valid) keys.
@@ -324,7 +329,7 @@ def log_heinsen_attention(
     is_causal: bool = False,
     key_value_seq_lengths: Any = None,
     implementation: LogHeinsenImplementation | None = None,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: int = LOG_CHUNK_SIZE,
 ) -> jax.Array:
   """Heinsen's attention on log-values: ``log heinsen_attention(q, k, exp(log_value))``.
 

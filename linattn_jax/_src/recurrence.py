@@ -51,12 +51,16 @@ and per-key ``gates``), on the same driver.
 
 Within a chunk, the ``"chunked"`` body forms the masked ``[C, C]``
 matrix of query-key weights. With a per-feature log-scale each query has its
-own running max per feature; the body measures the chunk's keys against the
+own running max per feature; the chunk's keys are measured against the
 running max at its first position instead (one ``exp`` per key and feature,
 then matrix products), which is exact for every row whose running max stays
 within ``MAX_RISE`` of it; only rows that climb further (keys of wildly
 different sizes) are recomputed per query (``[C, C, M]`` exponentials). Each
-row's value depends on its own past only, bit for bit.
+row's value depends on its own past only, bit for bit. These per-feature
+forms run every chunk at once (:func:`_blocks_at_once`): only the states
+are scanned, from the chunks' summaries, and every chunk then reads its own
+in batched products (faster on CPU, for more memory: README, "Support
+matrix").
 
 Internal layout: query features ``[B, K, G, T, M|1]`` and log-scales
 ``[B, K, G, T, M'|1]``; key features ``[B, K, S, M|1]`` and log-scales
@@ -97,14 +101,15 @@ ChunkForm = Literal["kernel", "per_feature", "gla"]
 # CPU (2 cores, causal, float32, B = 1, 8 heads of 64, T = 8192, forward+backward):
 # linear_elu is fastest at C = 64 (230, 249 ms against 269-348 at 128); GLA's
 # recursive halving at 128 (307, 319 ms against 396-455 at 64 and 377 at 256).
-# Per-feature log-scales carry more work per row of a chunk (cumulative maxima,
-# per-feature coefficients): causal Heinsen forward+backward at T = 16384 took
-# 639 ms with C = 32, 690 ms with 64, 806 ms with 128. GPU (H100, T = 16384,
-# forward+backward): linear_elu 14.4 / 8.4 / 5.1 ms, gla 23.1 / 13.4 / 8.9 ms and
-# gated_delta_net 38.6 / 27.7 / 21.2 ms at C = 64 / 128 / 256. README, "Chunk size".
+# Per-feature log-scales (Shen, Heinsen: every chunk at once, _blocks_at_once), causal
+# forward+backward at T = 8192 with 4 heads of 64, two runs: Shen 202-206 / 179-192 /
+# 187-203 ms and Heinsen 243-246 / 235-237 / 236-241 ms at C = 32 / 64 / 128; 64 also
+# needs the least memory. GPU (H100, T = 16384, forward+backward): linear_elu 14.4 / 8.4 /
+# 5.1 ms, gla 23.1 / 13.4 / 8.9 ms and gated_delta_net 38.6 / 27.7 / 21.2 ms at C = 64 /
+# 128 / 256. README, "Chunk size".
 _DEFAULT_CHUNK_SIZES: dict[str, dict[str | None, int]] = {
     "kernel": {"gpu": 256, None: 64},
-    "per_feature": {None: 32},
+    "per_feature": {None: 64},
     "gla": {"gpu": 256, None: 128},
 }
 DEFAULT_PER_FEATURE_CHUNK_SIZE = _DEFAULT_CHUNK_SIZES["per_feature"][None]
@@ -216,11 +221,15 @@ class Bodies(NamedTuple):
       and the carry): ``(config, carry, chunk) -> (carry, out)``.
     absorb: keys that every query sees: ``(config, carry, chunk) -> carry``.
     read: queries that see only the carry: ``(config, carry, chunk) -> out``.
+    causal_blocks: optional, used instead of scanning ``causal``: every block
+      of C aligned causal positions at once, ``(config, carry, blocks) ->
+      (carry, out)`` with the block index first (``Chunk.blocks``), featurised.
   """
 
   causal: Body
   absorb: Callable[[Any, Any, Chunk], Any]
   read: Callable[[Any, Any, Chunk], jax.Array]
+  causal_blocks: Callable[[Any, Any, Chunk], tuple[Any, jax.Array]] | None = None
 
 
 def _scan(fn, carry, chunk: Chunk, C: int, prepare):
@@ -261,8 +270,13 @@ def run_chunks(bodies: Bodies, config: Any, carry: Any, chunk: Chunk, *, is_caus
   else:
     chunk = chunk.keys(seen, S)._replace(fq=chunk.fq, lq=chunk.lq)
     chunk = chunk.pad_keys(front=T - (S - seen))
-    carry, out = _scan(lambda c, x: bodies.causal(config, c, x), carry, chunk, min(chunk_size, T),
-                       prepare)
+    if bodies.causal_blocks is None:
+      carry, out = _scan(lambda c, x: bodies.causal(config, c, x), carry, chunk,
+                         min(chunk_size, T), prepare)
+    else:
+      blocks = chunk.blocks(min(chunk_size, T))
+      carry, out = bodies.causal_blocks(config, carry, blocks if prepare is None else
+                                        prepare(blocks))
   return merge_blocks(out, 3, T), carry
 
 
@@ -404,7 +418,7 @@ def _chunk_block(config: ReadConfig, carry: Carry, chunk: Chunk):
   a = jnp.where(jnp.tril(jnp.ones((C, C), bool)), jnp.einsum("bkgim,bkjm->bkgij", coef, e), 0)
   num = (jnp.einsum("bkgij,bkjd->bkgid", a, chunk.v)
          + jnp.einsum("bkgim,bkmd->bkgid", coef * w[:, :, None, None], carry.kv))
-  out = _finish(config, num, jnp.sum(coef * den[:, :, None], axis=-1))
+  out = _finish(config, num, jnp.einsum("bkgim,bkim->bkgi", coef, den))
   return out, needs_exact
 
 
@@ -412,17 +426,10 @@ def _chunk_block(config: ReadConfig, carry: Carry, chunk: Chunk):
 
 
 def _chunk_masked(config: ReadConfig, carry: Carry, chunk: Chunk):
-  exact = functools.partial(_exact_block, config, carry, chunk, causal(chunk.num_keys))
-  if chunk.lk.shape[-1] == 1:  # A scalar log-scale per key costs only [C, C] exponentials.
-    out = exact()
-  else:  # Rows are replaced, never recomputed: each row's value depends on its own past.
-    out, needs_exact = _chunk_block(config, carry, chunk)
-    # Differentiated, a cond keeps the residuals of both branches: unless the exact form
-    # is checkpointed, every chunk writes its [C, C, M] residuals (zeros when not taken).
-    exact = jax.checkpoint(exact)
-    out = lax.cond(jnp.any(needs_exact),
-                   lambda: jnp.where(needs_exact[:, :, None, :, None], exact(), out),
-                   lambda: out)
+  """The masked ``[C, C]`` weights of one chunk (:func:`_exact_block`). With per-feature
+  log-scales this forms ``[C, C, M]`` exponentials: :func:`attend` runs those through
+  :func:`_blocks_at_once` instead."""
+  out = _exact_block(config, carry, chunk, causal(chunk.num_keys))
   return combine(carry, summarize(chunk)), out
 
 
@@ -449,6 +456,74 @@ def _chunk_associative_scan(config: ReadConfig, carry: Carry, chunk: Chunk):
   return jax.tree.map(lambda x: x[:, :, -1], states), readout(config, states, chunk)
 
 
+def _fast_blocks(config: ReadConfig, starts: Carry, blocks: Chunk):
+  """:func:`_chunk_block` of every block against the state it starts from (fields with
+  the block index first): ``(out [n, B, K, G, C, D], needs_exact [n, B, K, C])``."""
+  return jax.vmap(functools.partial(_chunk_block, config))(starts, blocks)
+
+
+def _exact_blocks(config: ReadConfig, starts: Carry, blocks: Chunk) -> jax.Array:
+  """:func:`_exact_block` of every block, one block at a time (``[C, C, M]`` exponentials
+  for one block only, recomputed for the gradient)."""
+  mask = causal(blocks.lk.shape[3])  # [C, C]: blocks.lk is [n, B, K, C, M].
+  one = jax.checkpoint(lambda state, block: _exact_block(config, state, block, mask))
+  return lax.map(lambda args: one(*args), (starts, blocks))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _read_blocks(config: ReadConfig, starts: Carry, blocks: Chunk) -> jax.Array:
+  """Every block's output: :func:`_fast_blocks`, with :func:`_exact_blocks`' rows where
+  ``needs_exact``.
+
+  A custom gradient so that the rare exact rows cost nothing when there are none:
+  differentiated, a ``lax.cond`` keeps the residuals of both branches, and its
+  transpose writes zero cotangents for the operands the taken branch does not read
+  (every block's inputs and states, at each call). Here both conds run outside
+  differentiation. Reverse mode only (``jax.grad``, ``jax.vjp``).
+  """
+  return _read_blocks_fwd(config, starts, blocks)[0]
+
+
+def _read_blocks_fwd(config, starts, blocks):
+  out, fast_vjp, needs_exact = jax.vjp(
+      functools.partial(_fast_blocks, config), starts, blocks, has_aux=True)
+  rows = needs_exact[:, :, :, None, :, None]  # On out [n, B, K, G, C, D].
+  out = lax.cond(jnp.any(needs_exact),
+                 lambda: jnp.where(rows, _exact_blocks(config, starts, blocks), out),
+                 lambda: out)
+  return out, (fast_vjp, starts, blocks, rows)
+
+
+def _read_blocks_bwd(config, residuals, g):
+  fast_vjp, starts, blocks, rows = residuals
+  cts = fast_vjp(jnp.where(rows, 0, g))
+
+  def with_exact_rows():
+    _, exact_vjp = jax.vjp(functools.partial(_exact_blocks, config), starts, blocks)
+    return jax.tree.map(jnp.add, cts, exact_vjp(jnp.where(rows, g, 0)))
+
+  return lax.cond(jnp.any(rows), with_exact_rows, lambda: cts)
+
+
+_read_blocks.defvjp(_read_blocks_fwd, _read_blocks_bwd)
+
+
+def _blocks_at_once(config: ReadConfig, carry: Carry, blocks: Chunk):
+  """The chunked form with per-feature log-scales, every block at once (fields
+  ``[n, B, K, ...]``): ``(final carry, out [n, B, K, G, C, D])``.
+
+  Only the states pass from block to block: a scan of :func:`combine` over the
+  blocks' summaries gives the state each block starts from, then every block
+  is read against its own at once (:func:`_read_blocks`: batched products
+  instead of n small ones in a loop).
+  """
+  def step(state, summary):
+    return combine(state, summary), state
+
+  final, starts = lax.scan(step, carry, jax.vmap(summarize)(blocks))
+  return final, _read_blocks(config, starts, blocks)
+
+
 CAUSAL_BODIES: Mapping[str, Body] = {
     "scan": _chunk_scan,
     "associative_scan": _chunk_associative_scan,
@@ -473,6 +548,9 @@ def attend(config: ReadConfig, carry: Carry, chunk: Chunk, *, is_causal: bool,
   if not is_causal:  # One summary of every key, read by every query at once.
     chunk_size = max(chunk.num_queries, chunk.num_keys)
   bodies = Bodies(CAUSAL_BODIES[implementation] if is_causal else None, _absorb, readout)
+  featurised = chunk if prepare is None else jax.eval_shape(prepare, chunk)
+  if is_causal and implementation == "chunked" and featurised.lk.shape[-1] > 1:
+    bodies = bodies._replace(causal_blocks=_blocks_at_once)
   return run_chunks(bodies, config, carry, chunk, is_causal=is_causal, chunk_size=chunk_size,
                     prepare=prepare)
 

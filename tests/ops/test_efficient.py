@@ -102,6 +102,26 @@ def test_huge_visible_keys_are_stable(impl, is_causal):
   assert np.all(np.isfinite(np.asarray(grads)))
 
 
+@pytest.mark.parametrize("name", ["efficient", "heinsen"])
+def test_rows_past_the_rise_limit_take_the_exact_form_and_its_gradient(name):
+  """A key far above the ones before it in its chunk: the rows from it to the chunk's end
+  are recomputed exactly in the all-chunks form, forward and in its custom gradient."""
+  from linattn_jax._src.recurrence import MAX_RISE
+  q, k, v = make_qkv(Shape(B=1, T=13, S=13, N=2, K=1, H=4, D=3), seed=13)
+  big = 3 * MAX_RISE
+  assert big - float(jnp.max(k)) > MAX_RISE  # Rows 6 and 7 (chunk 4..7) climb past it.
+  k = k.at[:, 6].set(big)
+  fn = la.get_attention(name)
+  ct = jax.random.normal(jax.random.key(1), q.shape[:-1] + v.shape[-1:])
+
+  def out_and_grads(**how):
+    out, vjp = jax.vjp(lambda *x: fn(*x, is_causal=True, **how), q, k, v)
+    return out, vjp(ct)
+
+  chex.assert_trees_all_close(jax.jit(functools.partial(out_and_grads, chunk_size=4))(),
+                              out_and_grads(implementation="reference"), rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 def test_noncausal_padding_equals_truncation(impl):
   shape = Shape(B=1, T=6, S=9, N=2, K=1, H=4, D=3)
@@ -182,8 +202,13 @@ def test_unbatched_state_round_trip():
 
 
 def test_chunked_gradient_keeps_no_state_per_token():
-  """Backward temporaries stay far below one [H, D] state per token (scan's cost)."""
-  T, H, D = 1024, 32, 32
+  """Backward temporaries stay far below one [H, D] state per token (scan's cost).
+
+  H = D = 128 so that a state per token (H·D floats) is far more than what the
+  chunked forms keep per position: features, weights and values, a few tens of
+  floats per H + D + C.
+  """
+  T, H, D = 256, 128, 128
   q, k, v = make_qkv(Shape(B=1, T=T, S=T, N=1, K=1, H=H, D=D))
   per_token_states = T * H * D * 4
 

@@ -230,7 +230,7 @@ def test_chunk_size_none_is_the_backends_measured_default(fn, extra, form):
   backend = jax.default_backend()
   assert recurrence.default_chunk_size() == {"gpu": 256}.get(backend, 64)
   assert recurrence.default_chunk_size("gla") == {"gpu": 256}.get(backend, 128)
-  assert recurrence.default_chunk_size("per_feature") == 32
+  assert recurrence.default_chunk_size("per_feature") == 64
   q, k, v = make_qkv(Shape(B=1, T=80, S=80, N=2, K=2, H=8, D=4))
 
   def program(chunk_size):
