@@ -401,18 +401,23 @@ def _chunk_block(config: ReadConfig, carry: Carry, chunk: Chunk):
   lk = chunk.lk
   C = lk.shape[2]
   state_max = carry.running_max  # [B, K, M]
-  m = jnp.maximum(state_max[:, :, None], lax.cummax(lax.stop_gradient(lk), axis=2))
-  R = m[:, :, 0]  # [B, K, M]
+  R = jnp.maximum(state_max, lax.stop_gradient(lk[:, :, 0]))  # [B, K, M]
   shift = exponent_shift(R)
-  rise = jnp.where(m == -jnp.inf, 0, m - R[:, :, None])  # +inf where a feature starts empty.
-  needs_exact = jnp.max(rise, axis=-1) > MAX_RISE  # [B, K, C]
+  # Key j's climb above R (+inf where a feature starts empty); a row needs the exact form
+  # once any key up to it climbed past MAX_RISE.
+  climb = jnp.max(jnp.where(lk == -jnp.inf, -jnp.inf, lax.stop_gradient(lk) - R[:, :, None]),
+                  axis=-1)  # [B, K, C]
+  needs_exact = lax.cummax(climb, axis=2) > MAX_RISE  # [B, K, C]
+  m = None
+  if config.read == "kernel":  # Each row's running max sets its shift (and eps's units).
+    m = jnp.maximum(state_max[:, :, None], lax.cummax(lax.stop_gradient(lk), axis=2))
   # Keys past a row's reach are capped: only rows that need the exact form could see them.
   x = lk - shift[:, :, None]
   e = chunk.fk * jnp.exp(jnp.where(x <= MAX_RISE, x, MAX_RISE))  # [B, K, C, M]
   w = jnp.exp(state_max - shift)  # [B, K, M], <= 1.
   den = (w * carry.k_sum)[:, :, None] + prefix_sums(e, 2)  # [B, K, C, M], units exp(R).
-  coef = _coefficients(config.read, chunk.fq, chunk.lq, R[:, :, None, None], m[:, :, None],
-                       den[:, :, None])
+  coef = _coefficients(config.read, chunk.fq, chunk.lq, R[:, :, None, None],
+                       None if m is None else m[:, :, None], den[:, :, None])
   # Rows left to the exact form read nothing here (zeros, zero gradients, never inf).
   coef = jnp.where(needs_exact[:, :, None, :, None], 0, coef)
   a = jnp.where(jnp.tril(jnp.ones((C, C), bool)), jnp.einsum("bkgim,bkjm->bkgij", coef, e), 0)
