@@ -408,16 +408,15 @@ def _chunk_block(config: ReadConfig, carry: Carry, chunk: Chunk):
   climb = jnp.max(jnp.where(lk == -jnp.inf, -jnp.inf, lax.stop_gradient(lk) - R[:, :, None]),
                   axis=-1)  # [B, K, C]
   needs_exact = lax.cummax(climb, axis=2) > MAX_RISE  # [B, K, C]
-  m = None
-  if config.read == "kernel":  # Each row's running max sets its shift (and eps's units).
-    m = jnp.maximum(state_max[:, :, None], lax.cummax(lax.stop_gradient(lk), axis=2))
   # Keys past a row's reach are capped: only rows that need the exact form could see them.
   x = lk - shift[:, :, None]
   e = chunk.fk * jnp.exp(jnp.where(x <= MAX_RISE, x, MAX_RISE))  # [B, K, C, M]
   w = jnp.exp(state_max - shift)  # [B, K, M], <= 1.
   den = (w * carry.k_sum)[:, :, None] + prefix_sums(e, 2)  # [B, K, C, M], units exp(R).
-  coef = _coefficients(config.read, chunk.fq, chunk.lq, R[:, :, None, None],
-                       None if m is None else m[:, :, None], den[:, :, None])
+  # A kernel read's per-row shift cancels without eps (attend admits none here): R, which
+  # keeps every term within exp(MAX_RISE), serves for all rows.
+  coef = _coefficients(config.read, chunk.fq, chunk.lq, R[:, :, None, None], R[:, :, None, None],
+                       den[:, :, None])
   # Rows left to the exact form read nothing here (zeros, zero gradients, never inf).
   coef = jnp.where(needs_exact[:, :, None, :, None], 0, coef)
   a = jnp.where(jnp.tril(jnp.ones((C, C), bool)), jnp.einsum("bkgim,bkjm->bkgij", coef, e), 0)
@@ -555,6 +554,9 @@ def attend(config: ReadConfig, carry: Carry, chunk: Chunk, *, is_causal: bool,
   bodies = Bodies(CAUSAL_BODIES[implementation] if is_causal else None, _absorb, readout)
   featurised = chunk if prepare is None else jax.eval_shape(prepare, chunk)
   if is_causal and implementation == "chunked" and featurised.lk.shape[-1] > 1:
+    if config.read == "kernel" and config.eps:
+      raise ValueError("the chunked form with per-feature log-scales reads a kernel state "
+                       f"without eps (Heinsen's); got eps={config.eps}.")
     bodies = bodies._replace(causal_blocks=_blocks_at_once)
   return run_chunks(bodies, config, carry, chunk, is_causal=is_causal, chunk_size=chunk_size,
                     prepare=prepare)
