@@ -492,21 +492,22 @@ def _read_blocks_fwd(config, starts, blocks):
   out, fast_vjp, needs_exact = jax.vjp(
       functools.partial(_fast_blocks, config), starts, blocks, has_aux=True)
   rows = needs_exact[:, :, :, None, :, None]  # On out [n, B, K, G, C, D].
-  out = lax.cond(jnp.any(needs_exact),
+  any_exact = jnp.any(needs_exact)
+  out = lax.cond(any_exact,
                  lambda: jnp.where(rows, _exact_blocks(config, starts, blocks), out),
                  lambda: out)
-  return out, (fast_vjp, starts, blocks, rows)
+  return out, (fast_vjp, starts, blocks, rows, any_exact)
 
 
 def _read_blocks_bwd(config, residuals, g):
-  fast_vjp, starts, blocks, rows = residuals
+  fast_vjp, starts, blocks, rows, any_exact = residuals
   cts = fast_vjp(jnp.where(rows, 0, g))
 
   def with_exact_rows():
     _, exact_vjp = jax.vjp(functools.partial(_exact_blocks, config), starts, blocks)
     return jax.tree.map(jnp.add, cts, exact_vjp(jnp.where(rows, g, 0)))
 
-  return lax.cond(jnp.any(rows), with_exact_rows, lambda: cts)
+  return lax.cond(any_exact, with_exact_rows, lambda: cts)
 
 
 _read_blocks.defvjp(_read_blocks_fwd, _read_blocks_bwd)
@@ -552,8 +553,7 @@ def attend(config: ReadConfig, carry: Carry, chunk: Chunk, *, is_causal: bool,
   if not is_causal:  # One summary of every key, read by every query at once.
     chunk_size = max(chunk.num_queries, chunk.num_keys)
   bodies = Bodies(CAUSAL_BODIES[implementation] if is_causal else None, _absorb, readout)
-  featurised = chunk if prepare is None else jax.eval_shape(prepare, chunk)
-  if is_causal and implementation == "chunked" and featurised.lk.shape[-1] > 1:
+  if is_causal and implementation == "chunked" and carry.running_max.shape[-1] > 1:
     if config.read == "kernel" and config.eps:
       raise ValueError("the chunked form with per-feature log-scales reads a kernel state "
                        f"without eps (Heinsen's); got eps={config.eps}.")
