@@ -69,6 +69,18 @@ def safe_divide(x: jax.Array, den: jax.Array) -> jax.Array:
   return jnp.where(empty, 0.0, x / jnp.where(empty, 1.0, den))
 
 
+def divide_rows(x: jax.Array, den: jax.Array) -> jax.Array:
+  """``x [..., D] / den [...]``, row by row, with 0 where ``den == 0``.
+
+  The product with ``1 / den`` is written as an einsum, so that its gradient
+  with respect to ``den`` (``Σ_d g_d x_d``) is a batched product too. As a
+  reduction over the minor axis, XLA:CPU's XNNPACK fusion of it took 33 of
+  Heinsen's 200 ms (causal forward + backward, T = 8192, 4 heads of 64).
+  """
+  empty = (den == 0)[..., None]
+  return jnp.where(empty, 0.0, jnp.einsum("...d,...->...d", x, 1 / jnp.where(den == 0, 1, den)))
+
+
 # NaN-free log space: log 0 = -inf, and every -inf has a zero (never NaN) gradient.
 
 
@@ -145,6 +157,6 @@ def online_softmax_finish(carry: SoftmaxCarry) -> tuple[jax.Array, jax.Array]:
     rows that saw no key) and the log-sum-exp ``[..., R]`` (``-inf`` there).
   """
   empty = carry.row_sum == 0.0
-  out = safe_divide(carry.acc, carry.row_sum[..., None])
+  out = divide_rows(carry.acc, carry.row_sum)
   lse = jnp.where(empty, -jnp.inf, carry.row_max + jnp.log(jnp.where(empty, 1.0, carry.row_sum)))
   return out, lse

@@ -89,7 +89,7 @@ from jax import lax
 from linattn_jax._src import checks
 from linattn_jax._src.blocks import merge_blocks, pad_axis, prefix_sums, split_blocks
 from linattn_jax._src.masks import causal, length_predicate
-from linattn_jax._src.online_softmax import exponent_shift, safe_divide
+from linattn_jax._src.online_softmax import divide_rows, exponent_shift, safe_divide
 from linattn_jax._src.registry import AttentionSpec, ParamSpec, StreamingSpec, register_attention
 
 Read = Literal["kernel", "per_feature"]
@@ -327,8 +327,7 @@ def _finish(config: ReadConfig, num, den):
   """``num / (den + eps)`` for a kernel read (0 where that is 0); a per-feature read is done."""
   if config.read == "per_feature":
     return num
-  den = den + config.eps
-  return num / jnp.where(den == 0, 1, den)[..., None]  # No key: num = 0, so 0.
+  return divide_rows(num, den + config.eps)  # No key: num = 0, so 0.
 
 
 def readout(config: ReadConfig, carry: Carry, chunk: Chunk) -> jax.Array:
