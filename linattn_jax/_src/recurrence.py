@@ -327,7 +327,7 @@ def _finish(config: ReadConfig, num, den):
   """``num / (den + eps)`` for a kernel read (0 where that is 0); a per-feature read is done."""
   if config.read == "per_feature":
     return num
-  return divide_rows(num, den + config.eps)  # No key: num = 0, so 0.
+  return divide_rows(num, den + config.eps)
 
 
 def readout(config: ReadConfig, carry: Carry, chunk: Chunk) -> jax.Array:
