@@ -146,8 +146,9 @@ def performer_attention(
     implementation: as in :func:`linear_attention`: ``"reference"``,
       ``"parallel"`` (non-causal only), ``"scan"``, ``"associative_scan"``,
       ``"chunked"``, or None (``"chunked"`` if causal, else ``"parallel"``).
-    chunk_size: C for the causal forms (None: 64 on CPU, 256 on GPU; see
-      :func:`linear_attention`).
+    chunk_size: C for the causal forms (None: 128 on CPU, where a larger
+      chunk feeds more rows to each feature projection; 256 on GPU; README,
+      "Chunk size").
     initial_state: a :class:`PerformerState` summarising earlier keys (seen
       by every query); splitting a sequence and carrying it equals one pass
       with the same projection.
@@ -194,7 +195,7 @@ def _performer_attention(query, key, value, *, projection, is_causal, key_value_
   """:func:`performer_attention` and its reference, with errors naming ``fn``."""
   check_projection(projection, query_shape=jnp.shape(query), fn=fn)
   family = recurrence.Family(_LogScaled(_check_kernel(kernel, fn)), "kernel", PerformerState,
-                             IMPLEMENTATIONS)
+                             IMPLEMENTATIONS, chunk_form="random_features")
   return recurrence.recurrent_attention(
       family, query, key, value, projection, is_causal=is_causal,
       key_value_seq_lengths=key_value_seq_lengths, eps=eps, implementation=implementation,

@@ -94,8 +94,10 @@ from linattn_jax._src.registry import AttentionSpec, ParamSpec, StreamingSpec, r
 
 Read = Literal["kernel", "per_feature"]
 # The chunked forms whose default C differs: kernel reads (and the per-head gated and
-# delta-rule forms), per-feature reads (Shen, Heinsen), and GLA's decay per key feature.
-ChunkForm = Literal["kernel", "per_feature", "gla"]
+# delta-rule forms), kernel reads of random features (Performer: M = 4H and more, the
+# feature projection runs in the chunk body), per-feature reads (Shen, Heinsen), and
+# GLA's decay per key feature.
+ChunkForm = Literal["kernel", "random_features", "per_feature", "gla"]
 # C of a form's chunked implementation when ``chunk_size=None``, by
 # ``jax.default_backend()`` (None: any other backend, TPU included, unmeasured).
 # CPU (2 cores, causal, float32, B = 1, 8 heads of 64, T = 8192, forward+backward):
@@ -104,11 +106,16 @@ ChunkForm = Literal["kernel", "per_feature", "gla"]
 # Per-feature log-scales (Shen, Heinsen: every chunk at once, _blocks_at_once), causal
 # forward+backward at T = 8192 with 4 heads of 64, two runs: Shen 202-206 / 179-192 /
 # 187-203 ms and Heinsen 243-246 / 235-237 / 236-241 ms at C = 32 / 64 / 128; 64 also
-# needs the least memory. GPU (H100, T = 16384, forward+backward): linear_elu 14.4 / 8.4 /
+# needs the least memory. Random features (Performer, M = 256): inside the model-step
+# benchmark (T = 2048 / 8192, two runs) C = 128 took performer from 1.90, 1.85 / 1.79, 1.79x
+# the identity model at C = 64 to 1.82, 1.73 / 1.73, 1.75x, and random_fourier from 3.26,
+# 3.17 / 3.13, 3.10x to 3.18, 3.17 / 2.91, 2.88x; a larger chunk feeds more rows to each
+# projection. GPU (H100, T = 16384, forward+backward): linear_elu 14.4 / 8.4 /
 # 5.1 ms, gla 23.1 / 13.4 / 8.9 ms and gated_delta_net 38.6 / 27.7 / 21.2 ms at C = 64 /
 # 128 / 256. README, "Chunk size".
 _DEFAULT_CHUNK_SIZES: dict[str, dict[str | None, int]] = {
     "kernel": {"gpu": 256, None: 64},
+    "random_features": {"gpu": 256, None: 128},
     "per_feature": {None: 64},
     "gla": {"gpu": 256, None: 128},
 }
@@ -769,12 +776,14 @@ class Family:
     state_cls: the public state NamedTuple (fields ``kv``, ``k_sum`` and, for
       stabilised maps, ``running_max``).
     implementations: the values of ``implementation=`` the variant offers.
+    chunk_form: whose default chunk size ``chunk_size=None`` takes (None: ``read``'s).
   """
 
   featurizer: Featurizer
   read: Read
   state_cls: type
   implementations: tuple[str, ...]
+  chunk_form: ChunkForm | None = None
 
 
 def default_chunk_size(form: ChunkForm = "kernel") -> int:
@@ -814,7 +823,7 @@ def recurrent_attention(
   implementation = checks.check_implementation(
       implementation, choices=family.implementations, is_causal=is_causal, fn=fn)
   implementation = implementation or ("chunked" if is_causal else "parallel")
-  chunk_size = check_chunk_size(chunk_size, form=family.read, fn=fn)
+  chunk_size = check_chunk_size(chunk_size, form=family.chunk_form or family.read, fn=fn)
   if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or eps < 0:
     raise ValueError(f"{fn}: eps must be a non-negative float; got {eps!r}.")
   out, state = _recurrent_attention(
