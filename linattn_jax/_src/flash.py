@@ -164,7 +164,8 @@ def backward(cfg: FlashConfig, residuals, d_out):
   # dK and dV are accumulated transposed, [H, C] and [D, C]: as ``q_blockᵀ · dS`` and
   # ``dO_blockᵀ · P`` the products read the [Q, C] blocks as they lie, and only the small
   # query-side blocks are transposed. As ``dSᵀ · q`` XLA:CPU copied every [Q, C] block
-  # transposed first, a third of the backward (causal, T = 8192, 4 heads of 64).
+  # transposed first: 520 of 1361 ms, forward + backward, in a profile (causal, T = 8192,
+  # 4 heads of 64).
   def one_key_block(d_q, args):
     j, k_blk, v_blk = args
     k_acc, v_acc = k_blk.astype(acc), v_blk.astype(acc)
