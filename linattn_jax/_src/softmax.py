@@ -24,14 +24,17 @@ SoftmaxImplementation = Literal["reference", "xla", "flash"]
 IMPLEMENTATIONS: tuple[str, ...] = typing.get_args(SoftmaxImplementation)
 
 # `implementation=None` runs flash where it was measured faster than XLA's path:
-# from T·S scores per head given here per backend. CPU: flash / XLA time in two runs
-# of `python -m experiments.benchmark --variants=flash --lengths=256,512,1024,2048
-# --nomatmul_baseline` (B = 1, N = 8, H = 64, causal): at T = 512 1.10 / 0.64
-# forward, 1.02 / 0.54 backward (no consistent winner); from T = 1024 below 0.8 in
-# both. Backends not listed (GPU, TPU: not measured) keep XLA's fused path until the
+# from T·S scores per head given here per backend. CPU: flash / XLA time from
+# `python -m experiments.benchmark --variants=softmax --implementations=xla,flash
+# --modes=forward,backward --nomatmul_baseline` (B = 1, N = 8, H = 64, causal), two
+# runs with --lengths=256,512,1024 and two with --lengths=128,256,512: at T = 128 0.74,
+# 0.80 forward and 0.62, 0.80 forward+backward; at 256 0.73-0.79 and 0.61-0.79; at 512
+# no consistent winner (0.95-1.16 and 0.80-1.03); at 1024 0.25-0.27 and 0.35-0.38.
+# Shorter sequences are not measured and keep XLA's path.
+# Backends not listed (GPU, TPU: not measured) keep XLA's fused path until the
 # [B, N, T, S] float32 scores would pass FLASH_THRESHOLD_ELEMENTS (2 GiB), where
 # flash's O(T) memory decides.
-FLASH_MIN_SCORES: dict[str, int] = {"cpu": 1024 * 1024}
+FLASH_MIN_SCORES: dict[str, int] = {"cpu": 128 * 128}
 FLASH_THRESHOLD_ELEMENTS = 2**29
 
 
