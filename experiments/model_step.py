@@ -24,7 +24,11 @@ The three steps are timed in alternation, round by round and in rotating order
 ``--warmup`` untimed calls each, then ``--repeats`` rounds; medians are
 reported, with the ratios ``ours_vs_identity`` (a)/(c), ``flax_vs_identity``
 (b)/(c) and ``ours_vs_flax`` (a)/(b) (the last two absent for the gated variants,
-which have no (b)). Defaults: ``DEFAULT_ATTENTIONS`` with
+which have no (b)). The JSON also has each model's compiled temporaries
+(``temp_bytes``) and, per step (medians), the minor page faults and system CPU
+seconds of the process (``page_faults_per_step``, ``system_s_per_step``): on
+Linux, XLA:CPU's temporaries are mapped afresh for each call, and first touching
+them is work the kernel does inside the step. Defaults: ``DEFAULT_ATTENTIONS`` with
 ``DEFAULT_OPTIONS``; ``--options_by_attention`` (JSON ``{variant: {option:
 value}}``) overrides them, e.g. a ``chunk_size``. ``--heads`` defaults to
 ``--width / --head_dim``.
@@ -42,10 +46,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+import resource
 import statistics
 import sys
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -229,9 +234,18 @@ def compiled_step(model: Transformer, batch: dict[str, jax.Array]) -> tuple[Any,
 # ------------------------------------------------------------- measuring ---
 
 
+class Timed(NamedTuple):
+  """Per call of each model: wall seconds, and what the process cost the kernel meanwhile
+  (``resource.getrusage``, every thread): minor page faults and system CPU seconds."""
+
+  seconds: dict[str, list[float]]
+  page_faults: dict[str, list[int]]
+  system_s: dict[str, list[float]]
+
+
 def time_alternating(calls: Mapping[str, tuple[Any, tuple]], *, warmup: int,
-                     repeats: int) -> dict[str, list[float]]:
-  """Seconds of ``repeats`` calls of each ``(compiled, args)``, one of each per round.
+                     repeats: int) -> Timed:
+  """``repeats`` calls of each ``(compiled, args)``, one of each per round.
 
   Each round starts one call later than the one before, so that no call always runs
   first (after the Python loop) or right after the same other.
@@ -239,11 +253,15 @@ def time_alternating(calls: Mapping[str, tuple[Any, tuple]], *, warmup: int,
   for compiled, args in calls.values():
     benchmark.time_executable(compiled, args, warmup=warmup, repeats=0)
   names = list(calls)
-  times: dict[str, list[float]] = {name: [] for name in names}
+  timed = Timed(*({name: [] for name in names} for _ in Timed._fields))
   for r in range(repeats):
     for name in names[r % len(names):] + names[:r % len(names)]:
-      times[name] += benchmark.time_executable(*calls[name], warmup=0, repeats=1)
-  return times
+      before = resource.getrusage(resource.RUSAGE_SELF)
+      timed.seconds[name].extend(benchmark.time_executable(*calls[name], warmup=0, repeats=1))
+      after = resource.getrusage(resource.RUSAGE_SELF)
+      timed.page_faults[name].append(after.ru_minflt - before.ru_minflt)
+      timed.system_s[name].append(after.ru_stime - before.ru_stime)
+  return timed
 
 
 def models_of(attention: str) -> tuple[str, ...]:
@@ -297,8 +315,12 @@ def run(config: Config) -> dict[str, Any]:
           memory[kind] = benchmark.memory_stats(step[0]).get("temp_size_in_bytes")
           if kind != "identity":
             dump_hlo(config, step[0], f"{name}_{kind}_T{length}")
-        record.update(compile_s=compile_s, temp_bytes=memory, times_s=time_alternating(
-            calls, warmup=config.warmup, repeats=config.repeats))
+        timed = time_alternating(calls, warmup=config.warmup, repeats=config.repeats)
+        record.update(compile_s=compile_s, temp_bytes=memory, times_s=timed.seconds,
+                      page_faults_per_step={m: statistics.median(x)
+                                            for m, x in timed.page_faults.items()},
+                      system_s_per_step={m: statistics.median(x)
+                                         for m, x in timed.system_s.items()})
         add_ratios(record)
       except Exception as e:  # One failed variant must not end the sweep.
         first_line = next(iter(str(e).splitlines()), "")

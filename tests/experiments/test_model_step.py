@@ -31,4 +31,7 @@ def test_model_step_times_the_three_models_and_writes_ratios(tmp_path):
               "ours_vs_flax"):
     assert plain[key] > 0, key
   assert set(gated["times_s"]) == {"ours", "identity"} and gated["ours_vs_identity"] > 0
+  for record in plain, gated:  # The kernel's share of each model's step.
+    for key in ("page_faults_per_step", "system_s_per_step"):
+      assert set(record[key]) == set(record["times_s"]) and min(record[key].values()) >= 0, key
   assert "flax_s" not in gated and "ours_vs_flax" not in gated
