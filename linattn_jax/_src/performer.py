@@ -147,7 +147,7 @@ def performer_attention(
       ``"parallel"`` (non-causal only), ``"scan"``, ``"associative_scan"``,
       ``"chunked"``, or None (``"chunked"`` if causal, else ``"parallel"``).
     chunk_size: C for the causal forms (None: 128 on CPU, where a larger
-      chunk feeds more rows to each feature projection; 256 on GPU; README,
+      chunk feeds more rows to each feature projection; 512 on GPU; README,
       "Chunk size").
     initial_state: a :class:`PerformerState` summarising earlier keys (seen
       by every query); splitting a sequence and carrying it equals one pass

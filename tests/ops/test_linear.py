@@ -229,7 +229,7 @@ def test_chunk_size_none_is_the_backends_measured_default(fn, extra, form):
   # The values the README documents, stated here on their own.
   backend = jax.default_backend()
   assert recurrence.default_chunk_size() == {"gpu": 256}.get(backend, 64)
-  assert recurrence.default_chunk_size("random_features") == {"gpu": 256}.get(backend, 128)
+  assert recurrence.default_chunk_size("random_features") == {"gpu": 512}.get(backend, 128)
   assert recurrence.default_chunk_size("gla") == {"gpu": 256}.get(backend, 128)
   assert recurrence.default_chunk_size("per_feature") == 64
   q, k, v = make_qkv(Shape(B=1, T=80, S=80, N=2, K=2, H=8, D=4))
