@@ -296,7 +296,11 @@ def run_chunks(bodies: Bodies, config: Any, carry: Any, chunk: Chunk, *, is_caus
 def summarize(chunk: Chunk) -> Carry:
   """The state of a chunk's S keys."""
   m = jnp.max(lax.stop_gradient(chunk.lk), axis=-2)
-  e = chunk.fk * jnp.exp(chunk.lk - exponent_shift(m)[..., None, :])  # [..., S, M]
+  scale = jnp.exp(chunk.lk - exponent_shift(m)[..., None, :])  # [..., S, M']
+  if scale.shape[-1] == 1:  # One log-scale per key: a product, as in divide_rows.
+    e = jnp.einsum("...sm,...s->...sm", chunk.fk, scale[..., 0])
+  else:
+    e = chunk.fk * scale  # [..., S, M]
   return Carry(jnp.einsum("...sm,...sd->...md", e, chunk.v), jnp.sum(e, axis=-2), m)
 
 
