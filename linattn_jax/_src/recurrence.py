@@ -297,7 +297,9 @@ def summarize(chunk: Chunk) -> Carry:
   """The state of a chunk's S keys."""
   m = jnp.max(lax.stop_gradient(chunk.lk), axis=-2)
   scale = jnp.exp(chunk.lk - exponent_shift(m)[..., None, :])  # [..., S, M']
-  if scale.shape[-1] == 1:  # One log-scale per key: a product, as in divide_rows.
+  # One log-scale per key: an einsum, so that the gradient for the scale is a batched
+  # product, not a reduction over M (XLA:CPU's slow path; see divide_rows).
+  if scale.shape[-1] == 1:
     e = jnp.einsum("...sm,...s->...sm", chunk.fk, scale[..., 0])
   else:
     e = chunk.fk * scale  # [..., S, M]
