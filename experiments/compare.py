@@ -160,7 +160,8 @@ def main(argv: Sequence[str]) -> None:
   options = entry_options(entries, common.OPTIONS_BY_ATTENTION.value)
   base = train.config_from_flags()
   train.quiet_orbax()
-  rows = compare(base, entries, options)
+  with train.exit_status():
+    rows = compare(base, entries, options)
   out = pathlib.Path(base.workdir)
   print(write_table(rows, base, out / "comparison.md"), flush=True)
   plot(rows, out / "curves.png", f"{base.task}: train loss")

@@ -17,6 +17,9 @@ moved to ``damaged_checkpoints/`` with a warning and the one before it is
 resumed. The first step whose loss, gradient norm or updated parameters are not
 finite stops the run (``TrainingDivergedError``; exit status 1) before anything
 non-finite is logged or saved, so the checkpoints already written are kept.
+A SIGTERM (a scheduler's preemption) or Ctrl-C stops the run at the end of its
+step with that step saved (``TrainingStoppedError``; exit status 128 + the signal's
+number, as if it had killed the process); a second one acts at once.
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ import json
 import logging as std_logging
 import math
 import pathlib
+import signal
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -273,6 +278,57 @@ class TrainingDivergedError(RuntimeError):
   def __init__(self, message: str, step: int):
     super().__init__(message)
     self.step = step
+
+
+class TrainingStoppedError(Exception):
+  """A SIGTERM or SIGINT stopped the run after ``step``, whose checkpoint is saved."""
+
+  def __init__(self, step: int, signum: int):
+    super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}, which is "
+                     "saved; run the same command again to resume.")
+    self.step, self.signum = step, signum
+
+
+@contextlib.contextmanager
+def _stop_requests():
+  """Yields a list that receives the first SIGTERM or SIGINT instead of the handlers before
+  (restored on exit). Those handlers are back once one arrived, so a second Ctrl-C raises
+  ``KeyboardInterrupt`` and a second SIGTERM kills. Off the main thread, where Python
+  cannot set handlers, nothing is installed."""
+  received: list[int] = []
+  if threading.current_thread() is not threading.main_thread():
+    yield received
+    return
+  previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+
+  def restore():
+    for s, handler in previous.items():
+      signal.signal(s, signal.SIG_DFL if handler is None else handler)
+
+  def request(signum, frame):
+    del frame
+    received.append(signum)
+    restore()
+
+  for s in previous:
+    signal.signal(s, request)
+  try:
+    yield received
+  finally:
+    restore()
+
+
+@contextlib.contextmanager
+def exit_status():
+  """A diverged run leaves with its one line and status 1; a stopped one prints its line and
+  leaves with 128 + the signal's number (143 for SIGTERM, 130 for Ctrl-C)."""
+  try:
+    yield
+  except TrainingDivergedError as e:
+    raise SystemExit(str(e)) from None
+  except TrainingStoppedError as e:
+    print(e, flush=True)
+    raise SystemExit(128 + e.signum) from None
 
 
 class Trainer:
@@ -570,38 +626,46 @@ def train(config: Config) -> dict[str, Any]:
         f"{jax.local_device_count()} {jax.default_backend()} device(s)", flush=True)
   tokens_per_step = config.batch_size * config.seq_len
   began, last_time, last_step = time.perf_counter(), time.perf_counter(), start
-  for step in range(start, config.num_steps):
-    if config.redraw_every and step % config.redraw_every == 0 and step > 0:
-      trainer.redraw(step)
-    trainer.state, trainer.health, metrics = trainer.train_step(
-        trainer.state, trainer.health, trainer.batch(step, data.TRAIN), step + 1)
-    done = step + 1
-    if done == config.num_steps or any(done % every == 0 for every in (
-        config.log_every, config.eval_every, config.checkpoint_every)):
-      trainer.check_finite(checkpoints)  # Nothing non-finite is logged, evaluated or saved.
-    record = None
-    if done % config.log_every == 0 or done == config.num_steps:
-      metrics = {k: float(v) for k, v in metrics.items()}
-      now = time.perf_counter()
-      rate = (done - last_step) * tokens_per_step / (now - last_time)
-      elapsed = now - began
-      left = elapsed / (done - start) * (config.num_steps - done)
-      print(f"step {done:>6}/{config.num_steps}  loss {metrics['loss']:.4f}  "
-            f"acc {metrics['accuracy']:.3f}  {rate:,.0f} tokens/s  elapsed {elapsed:.0f}s  "
-            f"left {left:.0f}s", flush=True)
-      record = {"step": done, "train_loss": metrics["loss"],
-                "train_accuracy": metrics["accuracy"], "tokens_per_s": rate}
-      last_time, last_step = now, done
-    if done % config.eval_every == 0 or done == config.num_steps:
-      record = {"step": done, **(record or {}), **trainer.evaluate()}
-      print("  eval: " + "  ".join(f"{k} {v:.4f}" for k, v in record.items()
-                                    if k.startswith("eval_")), flush=True)
-    if record is not None:
-      records.append(record)
-      with metrics_path.open("a") as f:
-        f.write(json.dumps(record) + "\n")
-    if done % config.checkpoint_every == 0 or done == config.num_steps:
-      checkpoints.save(done, trainer.state)
+  with _stop_requests() as stop:
+    for step in range(start, config.num_steps):
+      if config.redraw_every and step % config.redraw_every == 0 and step > 0:
+        trainer.redraw(step)
+      trainer.state, trainer.health, metrics = trainer.train_step(
+          trainer.state, trainer.health, trainer.batch(step, data.TRAIN), step + 1)
+      done = step + 1
+      if done == config.num_steps or any(done % every == 0 for every in (
+          config.log_every, config.eval_every, config.checkpoint_every)):
+        trainer.check_finite(checkpoints)  # Nothing non-finite is logged, evaluated or saved.
+      record = None
+      if done % config.log_every == 0 or done == config.num_steps:
+        metrics = {k: float(v) for k, v in metrics.items()}
+        now = time.perf_counter()
+        rate = (done - last_step) * tokens_per_step / (now - last_time)
+        elapsed = now - began
+        left = elapsed / (done - start) * (config.num_steps - done)
+        print(f"step {done:>6}/{config.num_steps}  loss {metrics['loss']:.4f}  "
+              f"acc {metrics['accuracy']:.3f}  {rate:,.0f} tokens/s  elapsed {elapsed:.0f}s  "
+              f"left {left:.0f}s", flush=True)
+        record = {"step": done, "train_loss": metrics["loss"],
+                  "train_accuracy": metrics["accuracy"], "tokens_per_s": rate}
+        last_time, last_step = now, done
+      if done % config.eval_every == 0 or done == config.num_steps:
+        record = {"step": done, **(record or {}), **trainer.evaluate()}
+        print("  eval: " + "  ".join(f"{k} {v:.4f}" for k, v in record.items()
+                                      if k.startswith("eval_")), flush=True)
+      if record is not None:
+        records.append(record)
+        with metrics_path.open("a") as f:
+          f.write(json.dumps(record) + "\n")
+      if done % config.checkpoint_every == 0 or done == config.num_steps:
+        checkpoints.save(done, trainer.state)
+      elif stop:  # A SIGTERM or Ctrl-C arrived during this step: save it, then stop.
+        trainer.check_finite(checkpoints)
+        checkpoints.save(done, trainer.state)
+      if stop:
+        raise TrainingStoppedError(done, stop[0])
+    if stop:  # After the last step's check: that step is saved.
+      raise TrainingStoppedError(config.num_steps, stop[0])
   summary = finish(config, workdir, trainer, records)
   return summary
 
@@ -652,10 +716,8 @@ def main(argv: Sequence[str]) -> None:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   quiet_orbax()
   sys.unraisablehook = _drop_closed_loop_errors(sys.unraisablehook)
-  try:
+  with exit_status():
     train(config_from_flags())
-  except TrainingDivergedError as e:
-    raise SystemExit(str(e)) from None  # One line on stderr; exit status 1.
 
 
 if __name__ == "__main__":

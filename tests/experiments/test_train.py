@@ -1,4 +1,5 @@
-"""The training loop: tasks, smoke runs, exact resume after SIGKILL, data parallelism, errors."""
+"""The training loop: tasks, smoke runs, exact resume after SIGKILL and SIGTERM, data
+parallelism, errors."""
 
 from __future__ import annotations
 
@@ -109,9 +110,14 @@ def _assert_same_final_params(workdir: pathlib.Path, other: pathlib.Path) -> Non
   jax.tree.map(same, train.load_final_params(str(workdir)), train.load_final_params(str(other)))
 
 
-def test_a_killed_run_resumes_to_the_same_parameters(tmp_path):
-  """A run killed by SIGKILL (a subprocess) resumes, here in-process, to the parameters of
-  an uninterrupted run. All three see the suite's 8 host devices and XLA flags."""
+def _logged_steps(workdir: pathlib.Path) -> list[int]:
+  return [json.loads(line)["step"] for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_killed_and_stopped_runs_resume_to_the_same_parameters(tmp_path, monkeypatch):
+  """A run killed by SIGKILL (a subprocess) and one stopped by SIGTERM (in-process, during a
+  known step) resume, here in-process, to the parameters of an uninterrupted run. All see
+  the suite's 8 host devices and XLA flags."""
   changes = dict(num_steps=40, checkpoint_every=10, log_every=5, eval_every=40, sample_length=0)
   flags_ = TINY_FLAGS + [f"--{k}={v}" for k, v in changes.items()]
   killed = tmp_path / "killed"
@@ -129,8 +135,44 @@ def test_a_killed_run_resumes_to_the_same_parameters(tmp_path):
     train.train(_config(killed, **changes))
   assert "resumed from the checkpoint at step" in resumed.getvalue()
   _assert_same_final_params(killed, tmp_path / "whole")
-  steps = [json.loads(line)["step"] for line in (killed / "metrics.jsonl").read_text().splitlines()]
-  assert steps == sorted(set(steps))  # No step logged twice across the kill.
+  assert _logged_steps(killed) == sorted(set(_logged_steps(killed)))  # None twice across the kill.
+
+  # Two SIGTERMs while step 26's batch is read: the first stops the run once that step is
+  # done and saved, the second reaches the handler from before (a second Ctrl-C interrupts).
+  stopped, earlier = tmp_path / "stopped", []
+  read_batch = train.Trainer.batch
+
+  def batch(self, step, split):
+    if split == data.TRAIN and step == 25:
+      os.kill(os.getpid(), signal.SIGTERM)  # Handled before os.kill returns.
+      os.kill(os.getpid(), signal.SIGTERM)
+    return read_batch(self, step, split)
+
+  record = lambda signum, frame: earlier.append(signum)  # noqa: E731
+  interrupt = signal.getsignal(signal.SIGINT)
+  previous = signal.signal(signal.SIGTERM, record)
+  try:
+    with monkeypatch.context() as patch:
+      patch.setattr(train.Trainer, "batch", batch)
+      with pytest.raises(train.TrainingStoppedError, match=r"^stopped by SIGTERM after step 26, "
+                         r"which is saved; run the same command again to resume\.$") as e:
+        train.train(_config(stopped, **changes))
+    assert earlier == [signal.SIGTERM]
+    assert signal.getsignal(signal.SIGTERM) is record  # Both handlers restored.
+    assert signal.getsignal(signal.SIGINT) is interrupt
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+  assert train.Checkpoints(stopped).manager.all_steps() == [20, 26]
+  assert not (stopped / "summary.json").exists()
+  with pytest.raises(SystemExit) as status, train.exit_status():
+    raise e.value
+  assert status.value.code == 128 + signal.SIGTERM  # As if SIGTERM had killed it.
+  resumed = io.StringIO()
+  with contextlib.redirect_stdout(resumed):
+    train.train(_config(stopped, **changes))
+  assert "resumed from the checkpoint at step 26" in resumed.getvalue()
+  _assert_same_final_params(stopped, tmp_path / "whole")
+  assert _logged_steps(stopped) == sorted(set(_logged_steps(stopped)))
 
 
 def _truncate_every_file(directory: pathlib.Path) -> dict[pathlib.Path, int]:
