@@ -14,12 +14,14 @@ for char_lm, ``sample.txt`` generated through the layers' decode caches.
 
 A checkpoint that cannot be read (files cut short by a full disk, say) is
 moved to ``damaged_checkpoints/`` with a warning and the one before it is
-resumed. The first step whose loss, gradient norm or updated parameters are not
-finite stops the run (``TrainingDivergedError``; exit status 1) before anything
-non-finite is logged or saved, so the checkpoints already written are kept.
-A SIGTERM (a scheduler's preemption) or Ctrl-C stops the run at the end of its
-step with that step saved (``TrainingStoppedError``; exit status 128 + the signal's
-number, as if it had killed the process); a second one acts at once.
+resumed; one that cannot be written ends the run (``CheckpointWriteError``;
+exit status 1) in one line. The first step whose loss, gradient norm or
+updated parameters are not finite stops the run (``TrainingDivergedError``;
+exit status 1) before anything non-finite is logged or saved, so the
+checkpoints already written are kept. A SIGTERM (a scheduler's preemption) or
+Ctrl-C stops the run at the end of its step with that step saved
+(``TrainingStoppedError``; exit status 128 + the signal's number, as if it had
+killed the process); a second one acts at once.
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ import dataclasses
 import json
 import logging as std_logging
 import math
+import os
 import pathlib
+import shutil
 import signal
 import sys
 import threading
@@ -318,13 +322,22 @@ def _stop_requests():
     restore()
 
 
+class CheckpointWriteError(RuntimeError):
+  """The checkpoint of ``step`` could not be written (a full disk, say)."""
+
+  def __init__(self, message: str, step: int):
+    super().__init__(message)
+    self.step = step
+
+
 @contextlib.contextmanager
 def exit_status():
-  """A diverged run leaves with its one line and status 1; a stopped one prints its line and
-  leaves with 128 + the signal's number (143 for SIGTERM, 130 for Ctrl-C)."""
+  """A diverged run, or one that could not write a checkpoint, leaves with its one line and
+  status 1; a stopped one prints its line and leaves with 128 + the signal's number (143
+  for SIGTERM, 130 for Ctrl-C)."""
   try:
     yield
-  except TrainingDivergedError as e:
+  except (TrainingDivergedError, CheckpointWriteError) as e:
     raise SystemExit(str(e)) from None
   except TrainingStoppedError as e:
     print(e, flush=True)
@@ -438,11 +451,12 @@ def quiet_orbax() -> None:
 
 
 @contextlib.contextmanager
-def _orbax_silenced():
-  """Drops orbax's log records while loading: a damaged step makes it log errors and
-  tracebacks, where ``Checkpoints.restore_latest`` says in one line which step and why."""
+def _orbax_silenced(level: int = std_logging.NOTSET):
+  """Drops orbax's log records at ``level`` and above (default: all of them), while loading
+  or saving: a damaged step or a failed write makes it log errors and tracebacks, where
+  ``Checkpoints`` says in one line which step and why."""
   logger = std_logging.getLogger("absl")  # orbax logs through absl.
-  drop = lambda record: "orbax" not in record.pathname  # noqa: E731
+  drop = lambda record: "orbax" not in record.pathname or record.levelno < level  # noqa: E731
   logger.addFilter(drop)
   try:
     yield
@@ -489,8 +503,24 @@ class Checkpoints:
     return {str(i): leaf for i, leaf in enumerate(jax.tree.leaves(state))}
 
   def save(self, step: int, state) -> None:
-    self.manager.save(step, args=ocp.args.PyTreeSave(self._flat(state)))
-    self.manager.wait_until_finished()
+    """Writes ``step``. If that fails (a full disk, say), its unfinished directory is removed
+    and ``CheckpointWriteError`` says in one line which step, where, why and what is kept."""
+    try:
+      with _orbax_silenced(std_logging.ERROR):  # Its warnings still show.
+        self.manager.save(step, args=ocp.args.PyTreeSave(self._flat(state)))
+        self.manager.wait_until_finished()
+    except Exception as e:  # orbax and tensorstore raise many types on a failed write.
+      if isinstance(e, MemoryError):
+        raise
+      for unfinished in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
+        shutil.rmtree(unfinished, ignore_errors=True)
+      with _orbax_silenced():
+        self.manager.reload()
+      last = self.latest()
+      kept = f"the newest one kept is step {last}" if last else "none was written before"
+      raise CheckpointWriteError(
+          f"could not write the checkpoint of step {step} in {self.directory} ({_short(e)}); "
+          f"{kept}. Make room there and run the same command again to resume.", step) from None
 
   def latest(self) -> int | None:
     return self.manager.latest_step()
@@ -699,23 +729,44 @@ def finish(config: Config, workdir: pathlib.Path, trainer: Trainer,
   return summary
 
 
-def _drop_closed_loop_errors(hook):
-  """``hook``, but silent on "Event loop is closed": after a restore fails on a damaged
-  file, tensorstore's other reads finish into orbax's closed event loop."""
+def _from_orbax(coroutine: Any) -> bool:
+  code = getattr(coroutine, "cr_code", None)
+  return code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
+
+
+def _drop_orbax_leftovers(hook):
+  """``hook``, but silent on what orbax leaves behind after a failed read or write, which the
+  one-line errors above already report: "Event loop is closed" (after a restore fails on a
+  damaged file, tensorstore's other reads finish into orbax's closed event loop) and
+  orbax's coroutines that a failed save left unfinished, closed at exit."""
 
   def quiet(unraisable):
-    if not (isinstance(unraisable.exc_value, RuntimeError)
-            and str(unraisable.exc_value) == "Event loop is closed"):
-      hook(unraisable)
+    if isinstance(unraisable.exc_value, RuntimeError) and (
+        str(unraisable.exc_value) == "Event loop is closed"):
+      return
+    if _from_orbax(unraisable.object):
+      return
+    hook(unraisable)
 
   return quiet
+
+
+class _OrbaxTasks(std_logging.Filter):
+  """Drops asyncio's "Task exception was never retrieved" for orbax's writes (each failed
+  write of a failed save logs one, with its traceback)."""
+
+  def filter(self, record: std_logging.LogRecord) -> bool:
+    message = record.getMessage()
+    return not (message.startswith("Task exception was never retrieved")
+                and f"{os.sep}orbax{os.sep}" in message)
 
 
 def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   quiet_orbax()
-  sys.unraisablehook = _drop_closed_loop_errors(sys.unraisablehook)
+  sys.unraisablehook = _drop_orbax_leftovers(sys.unraisablehook)
+  std_logging.getLogger("asyncio").addFilter(_OrbaxTasks())
   with exit_status():
     train(config_from_flags())
 

@@ -206,6 +206,31 @@ def test_a_damaged_checkpoint_is_moved_aside_and_an_older_one_resumed(tmp_path, 
   _assert_same_final_params(damaged, whole)
 
 
+def test_a_checkpoint_that_cannot_be_written_stops_the_run_in_one_line(tmp_path, monkeypatch):
+  """A failed save (here a full disk, simulated after orbax began the step's directory)
+  removes the unfinished directory, keeps the earlier step and names both."""
+  save = train.ocp.CheckpointManager.save
+
+  def full_disk(manager, step, *args, **kwargs):
+    if step == 2:
+      (tmp_path / "checkpoints" / "2.orbax-checkpoint-tmp-1").mkdir()
+      raise ValueError("RESOURCE_EXHAUSTED: Failed to write 900372 bytes to file 17: No space "
+                       "left on device [os_error_code='28']")
+    return save(manager, step, *args, **kwargs)
+
+  monkeypatch.setattr(train.ocp.CheckpointManager, "save", full_disk)
+  config = _config(tmp_path, num_steps=2, checkpoint_every=1, log_every=2, eval_every=2,
+                   sample_length=0)
+  want = (f"could not write the checkpoint of step 2 in {tmp_path / 'checkpoints'} (ValueError: "
+          "RESOURCE_EXHAUSTED: Failed to write 900372 bytes to file 17: No space left on device "
+          "[os_error_code='28']); the newest one kept is step 1. Make room there and run the "
+          "same command again to resume.")
+  with pytest.raises(SystemExit) as status, train.exit_status():
+    train.train(config)
+  assert status.value.code == want  # One line on stderr, exit status 1.
+  assert os.listdir(tmp_path / "checkpoints") == ["1"]
+
+
 def test_a_diverging_run_stops_without_saving_non_finite_parameters(tmp_path):
   config = _config(tmp_path, num_steps=4, learning_rate=1e6, clip_norm=0.0, checkpoint_every=2,
                    log_every=4, eval_every=4, sample_length=0)
