@@ -444,10 +444,46 @@ class Trainer:
 # ------------------------------------------------------------- checkpoints ---
 
 
+def _from_orbax(coroutine: Any) -> bool:
+  code = getattr(coroutine, "cr_code", None)
+  return code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
+
+
+def _drop_orbax_leftovers(hook):
+  """``hook``, but silent on what orbax leaves behind after a failed read or write, which
+  the one-line errors of ``Checkpoints`` already report: "Event loop is closed" (after a
+  restore fails on a damaged file, tensorstore's other reads finish into orbax's closed
+  event loop) and orbax's coroutines that a failed save left unfinished, closed at exit."""
+
+  def quiet(unraisable):
+    if isinstance(unraisable.exc_value, RuntimeError) and (
+        str(unraisable.exc_value) == "Event loop is closed"):
+      return
+    if _from_orbax(unraisable.object):
+      return
+    hook(unraisable)
+
+  return quiet
+
+
+class _OrbaxTasks(std_logging.Filter):
+  """Drops asyncio's "Task exception was never retrieved" for orbax's writes (each failed
+  write of a failed save logs one, with its traceback)."""
+
+  def filter(self, record: std_logging.LogRecord) -> bool:
+    message = record.getMessage()
+    return not (message.startswith("Task exception was never retrieved")
+                and f"{os.sep}orbax{os.sep}" in message)
+
+
 def quiet_orbax() -> None:
-  """Drops orbax's per-save INFO lines from absl's log; its warnings still show."""
+  """For a command line run: drops orbax's per-save INFO lines from absl's log (its warnings
+  still show), and what a failed read or write leaves behind once ``Checkpoints`` has said
+  it in one line (:func:`_drop_orbax_leftovers`, :class:`_OrbaxTasks`)."""
   logging.get_absl_handler().addFilter(
       lambda record: record.levelno >= std_logging.WARNING or "orbax" not in record.pathname)
+  sys.unraisablehook = _drop_orbax_leftovers(sys.unraisablehook)
+  std_logging.getLogger("asyncio").addFilter(_OrbaxTasks())
 
 
 @contextlib.contextmanager
@@ -729,44 +765,10 @@ def finish(config: Config, workdir: pathlib.Path, trainer: Trainer,
   return summary
 
 
-def _from_orbax(coroutine: Any) -> bool:
-  code = getattr(coroutine, "cr_code", None)
-  return code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
-
-
-def _drop_orbax_leftovers(hook):
-  """``hook``, but silent on what orbax leaves behind after a failed read or write, which the
-  one-line errors above already report: "Event loop is closed" (after a restore fails on a
-  damaged file, tensorstore's other reads finish into orbax's closed event loop) and
-  orbax's coroutines that a failed save left unfinished, closed at exit."""
-
-  def quiet(unraisable):
-    if isinstance(unraisable.exc_value, RuntimeError) and (
-        str(unraisable.exc_value) == "Event loop is closed"):
-      return
-    if _from_orbax(unraisable.object):
-      return
-    hook(unraisable)
-
-  return quiet
-
-
-class _OrbaxTasks(std_logging.Filter):
-  """Drops asyncio's "Task exception was never retrieved" for orbax's writes (each failed
-  write of a failed save logs one, with its traceback)."""
-
-  def filter(self, record: std_logging.LogRecord) -> bool:
-    message = record.getMessage()
-    return not (message.startswith("Task exception was never retrieved")
-                and f"{os.sep}orbax{os.sep}" in message)
-
-
 def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   quiet_orbax()
-  sys.unraisablehook = _drop_orbax_leftovers(sys.unraisablehook)
-  std_logging.getLogger("asyncio").addFilter(_OrbaxTasks())
   with exit_status():
     train(config_from_flags())
 
