@@ -276,12 +276,16 @@ def loss_and_metrics(model: Transformer, batch: dict[str, jax.Array]) -> tuple[j
   return loss, {"loss": loss, "accuracy": accuracy}
 
 
-class TrainingDivergedError(RuntimeError):
-  """A training step's loss, gradient norm or updated parameters were not finite."""
+class _StepError(RuntimeError):
+  """A fault that ends the run at ``step``, said in one line (exit status 1)."""
 
   def __init__(self, message: str, step: int):
     super().__init__(message)
     self.step = step
+
+
+class TrainingDivergedError(_StepError):
+  """A training step's loss, gradient norm or updated parameters were not finite."""
 
 
 class TrainingStoppedError(Exception):
@@ -322,12 +326,8 @@ def _stop_requests():
     restore()
 
 
-class CheckpointWriteError(RuntimeError):
+class CheckpointWriteError(_StepError):
   """The checkpoint of ``step`` could not be written (a full disk, say)."""
-
-  def __init__(self, message: str, step: int):
-    super().__init__(message)
-    self.step = step
 
 
 @contextlib.contextmanager
@@ -337,7 +337,7 @@ def exit_status():
   for SIGTERM, 130 for Ctrl-C)."""
   try:
     yield
-  except (TrainingDivergedError, CheckpointWriteError) as e:
+  except _StepError as e:
     raise SystemExit(str(e)) from None
   except TrainingStoppedError as e:
     print(e, flush=True)
@@ -444,9 +444,14 @@ class Trainer:
 # ------------------------------------------------------------- checkpoints ---
 
 
+def _in_orbax(path: str) -> bool:
+  """Whether ``path`` (a source file, or a message that names one) is orbax's."""
+  return f"{os.sep}orbax{os.sep}" in path
+
+
 def _from_orbax(coroutine: Any) -> bool:
   code = getattr(coroutine, "cr_code", None)
-  return code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
+  return code is not None and _in_orbax(code.co_filename)
 
 
 def _drop_orbax_leftovers(hook):
@@ -472,8 +477,7 @@ class _OrbaxTasks(std_logging.Filter):
 
   def filter(self, record: std_logging.LogRecord) -> bool:
     message = record.getMessage()
-    return not (message.startswith("Task exception was never retrieved")
-                and f"{os.sep}orbax{os.sep}" in message)
+    return not (message.startswith("Task exception was never retrieved") and _in_orbax(message))
 
 
 def quiet_orbax() -> None:
@@ -481,7 +485,7 @@ def quiet_orbax() -> None:
   still show), and what a failed read or write leaves behind once ``Checkpoints`` has said
   it in one line (:func:`_drop_orbax_leftovers`, :class:`_OrbaxTasks`)."""
   logging.get_absl_handler().addFilter(
-      lambda record: record.levelno >= std_logging.WARNING or "orbax" not in record.pathname)
+      lambda record: record.levelno >= std_logging.WARNING or not _in_orbax(record.pathname))
   sys.unraisablehook = _drop_orbax_leftovers(sys.unraisablehook)
   std_logging.getLogger("asyncio").addFilter(_OrbaxTasks())
 
@@ -492,7 +496,7 @@ def _orbax_silenced(level: int = std_logging.NOTSET):
   or saving: a damaged step or a failed write makes it log errors and tracebacks, where
   ``Checkpoints`` says in one line which step and why."""
   logger = std_logging.getLogger("absl")  # orbax logs through absl.
-  drop = lambda record: "orbax" not in record.pathname or record.levelno < level  # noqa: E731
+  drop = lambda record: not _in_orbax(record.pathname) or record.levelno < level  # noqa: E731
   logger.addFilter(drop)
   try:
     yield
