@@ -549,9 +549,9 @@ class Checkpoints:
       with _orbax_silenced(std_logging.ERROR):  # Its warnings still show.
         self.manager.save(step, args=ocp.args.PyTreeSave(self._flat(state)))
         self.manager.wait_until_finished()
+    except MemoryError:
+      raise
     except Exception as e:  # orbax and tensorstore raise many types on a failed write.
-      if isinstance(e, MemoryError):
-        raise
       for unfinished in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
         shutil.rmtree(unfinished, ignore_errors=True)
       with _orbax_silenced():
@@ -703,7 +703,10 @@ def train(config: Config) -> dict[str, Any]:
       trainer.state, trainer.health, metrics = trainer.train_step(
           trainer.state, trainer.health, trainer.batch(step, data.TRAIN), step + 1)
       done = step + 1
-      if done == config.num_steps or any(done % every == 0 for every in (
+      # Read once per step: a SIGTERM or Ctrl-C from here on is this step's to save, and
+      # one arriving later in the step waits for the next (or the check after the loop).
+      stopping = bool(stop)
+      if stopping or done == config.num_steps or any(done % every == 0 for every in (
           config.log_every, config.eval_every, config.checkpoint_every)):
         trainer.check_finite(checkpoints)  # Nothing non-finite is logged, evaluated or saved.
       record = None
@@ -727,14 +730,11 @@ def train(config: Config) -> dict[str, Any]:
         records.append(record)
         with metrics_path.open("a") as f:
           f.write(json.dumps(record) + "\n")
-      if done % config.checkpoint_every == 0 or done == config.num_steps:
+      if stopping or done % config.checkpoint_every == 0 or done == config.num_steps:
         checkpoints.save(done, trainer.state)
-      elif stop:  # A SIGTERM or Ctrl-C arrived during this step: save it, then stop.
-        trainer.check_finite(checkpoints)
-        checkpoints.save(done, trainer.state)
-      if stop:
+      if stopping:
         raise TrainingStoppedError(done, stop[0])
-    if stop:  # After the last step's check: that step is saved.
+    if stop:  # It arrived during the last step, which is saved.
       raise TrainingStoppedError(config.num_steps, stop[0])
   summary = finish(config, workdir, trainer, records)
   return summary
