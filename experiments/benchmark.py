@@ -297,7 +297,7 @@ def attention_function(config: Config, case: Case) -> Callable[..., jax.Array]:
     if case.implementation is not None:
       options["implementation"] = case.implementation
     fn = linattn_jax.get_attention(case.variant, **options)
-    names = [name for name, _ in linattn_jax.get_spec(case.variant).extra_inputs]
+    names = [x.name for x in linattn_jax.get_spec(case.variant).token_inputs]
     if names:  # Gates and betas arrive positionally after the value (see gate_inputs).
       fn = _with_named_inputs(fn, names)
   return functools.partial(fn, is_causal=config.causal)
@@ -312,10 +312,10 @@ def _with_named_inputs(fn: Callable[..., jax.Array], names: Sequence[str]) -> Ca
 def gate_inputs(config: Config, case: Case, length: int) -> tuple[jax.Array, ...]:
   """A variant's per-token inputs, seeded (see ``common.gate_from_normal``)."""
   rng = np.random.default_rng(_SEED + 1)
-  shapes = linattn_jax.get_spec(case.variant).extra_input_shapes(
-      (config.batch, length, config.kv_heads, config.head_dim))
-  return tuple(common.gate_from_normal(name, jnp.asarray(rng.standard_normal(shape, np.float32)))
-               for name, shape in shapes.items())
+  key_shape = (config.batch, length, config.kv_heads, config.head_dim)
+  return tuple(common.gate_from_normal(x, jnp.asarray(rng.standard_normal(x.shape(key_shape),
+                                                                          np.float32)))
+               for x in linattn_jax.get_spec(case.variant).token_inputs)
 
 
 def dense_twin(config: Config, case: Case) -> jax.Array:
@@ -370,7 +370,7 @@ def decode_step(config: Config, case: Case, inputs: Inputs) -> tuple[Callable, t
   options = dict(config.options)
   if case.implementation is not None:
     options["implementation"] = case.implementation
-  gates = dict(zip([name for name, _ in spec.extra_inputs],
+  gates = dict(zip([x.name for x in spec.token_inputs],
                    gate_inputs(config, case, case.length), strict=True))
   prefill = jax.jit(functools.partial(spec.build(**options), is_causal=True, return_state=True))
   _, state = prefill(inputs.query, inputs.key, inputs.value, **gates)

@@ -68,10 +68,12 @@ def run(main: Callable[[Sequence[str]], None]) -> None:
   app.run(main_in_one_line)
 
 
-def gate_from_normal(name: str, x: Any) -> Any:
-  """A per-token input from standard normal draws ``x``: a log-decay ``log σ(x) / 16``
-  (GLA's scale, about 0.96 per step) or a write strength ``β = σ(x)``."""
-  return jax.nn.log_sigmoid(x) / 16 if name == "log_decay" else jax.nn.sigmoid(x)
+def gate_from_normal(token_input: la.TokenInput, x: Any) -> Any:
+  """A per-token input from standard normal draws ``x``, by its role: a log-decay
+  ``log σ(x) / 16`` (GLA's scale, about 0.96 per step) or a write strength ``β = σ(x)``."""
+  if token_input.role is la.Role.DECAY:
+    return jax.nn.log_sigmoid(x) / 16
+  return jax.nn.sigmoid(x)
 
 
 def value_dim() -> int:

@@ -163,7 +163,7 @@ def _shape(T: int) -> tuple[int, int, int, int, int, int]:
 def _shapes(T: int) -> dict[str, tuple[int, ...]]:
   """Shapes of q, k, v and of the ``--recurrent`` variant's per-token inputs (gates, betas)."""
   B, T, N, K, H, D = _shape(T)
-  gates = la.get_spec(_RECURRENT.value).extra_input_shapes((B, T, K, H))
+  gates = la.get_spec(_RECURRENT.value).token_input_shapes((B, T, K, H))
   return {"q": (B, T, N, H), "k": (B, T, K, H), "v": (B, T, K, D), **gates}
 
 
@@ -322,7 +322,8 @@ def _run(fn: Callable[..., Any], T: int, sharding: Any) -> dict[str, Any]:
     x = {name: jax.random.normal(jax.random.fold_in(key, i), s, jnp.float32)
          for i, (name, s) in enumerate(shapes.items())}
     q, k, v = x.pop("q"), x.pop("k") / math.sqrt(shapes["k"][-1]), x.pop("v")
-    gates = {name: common.gate_from_normal(name, g) for name, g in x.items()}
+    declared = {t.name: t for t in la.get_spec(_RECURRENT.value).token_inputs}
+    gates = {name: common.gate_from_normal(declared[name], g) for name, g in x.items()}
     return q.astype(dtype), k.astype(dtype), v.astype(dtype), gates
 
   q, k, v, gates = jax.jit(make, out_shardings=sharding)(common.SEED.value)

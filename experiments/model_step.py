@@ -266,8 +266,8 @@ def time_alternating(calls: Mapping[str, tuple[Any, tuple]], *, warmup: int,
 
 def models_of(attention: str) -> tuple[str, ...]:
   """The ``MODELS`` that can run ``attention``: Flax's layer has no per-token gate inputs
-  (the gated and delta-rule variants' ``extra_inputs``), so those run ours and identity."""
-  return ("ours", "identity") if la.get_spec(attention).extra_inputs else MODELS
+  (the gated and delta-rule variants' ``token_inputs``), so those run ours and identity."""
+  return ("ours", "identity") if la.get_spec(attention).token_inputs else MODELS
 
 
 def add_ratios(record: dict[str, Any]) -> None:

@@ -17,6 +17,12 @@ The examples in the docstrings assume::
 """
 
 from linattn_jax import feature_maps, masks, nn, parallel
+from linattn_jax._src.delta import (
+    DeltaSummary,
+    delta_rule_attention,
+    delta_rule_attention_reference,
+    delta_rule_attention_step,
+)
 from linattn_jax._src.dense import softmax_attention_reference
 from linattn_jax._src.efficient import (
     EfficientState,
@@ -27,12 +33,8 @@ from linattn_jax._src.efficient import (
 )
 from linattn_jax._src.flash import flash_attention
 from linattn_jax._src.gated import (
-    DeltaSummary,
     GatedState,
     GatedSummary,
-    delta_rule_attention,
-    delta_rule_attention_reference,
-    delta_rule_attention_step,
     gated_linear_attention,
     gated_linear_attention_reference,
     gated_linear_attention_step,
@@ -63,7 +65,9 @@ from linattn_jax._src.performer import (
 from linattn_jax._src.registry import (
     AttentionFn,
     AttentionSpec,
+    Role,
     StreamingSpec,
+    TokenInput,
     available_attentions,
     get_attention,
     get_spec,
@@ -133,8 +137,10 @@ __all__ = [
     "parallel",
     "PerformerState",
     "register_attention",
+    "Role",
     "softmax_attention",
     "softmax_attention_reference",
     "StreamingSpec",
+    "TokenInput",
     "strided_attention",
 ]

@@ -192,6 +192,26 @@ def resolve_scale(scale: float | None, head_dim: int) -> float:
   return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
 
+def check_scale(scale: Any, *, fn: str) -> float | None:
+  """A static logit scale: None (the variant's default) or a finite real, as a Python float.
+
+  Like ``jax.nn.dot_product_attention``'s, it is part of the program, not an array: a
+  traced value raises (mark it static or bind it with ``functools.partial``).
+  """
+  if scale is None:
+    return None
+  _reject_traced(scale, name="scale", fn=fn, what="a static Python float")
+  if isinstance(scale, bool) or np.ndim(scale) != 0:
+    raise ValueError(f"{fn}: scale must be a real number or None; got {scale!r}.")
+  try:
+    value = float(scale)
+  except (TypeError, ValueError):
+    raise ValueError(f"{fn}: scale must be a real number or None; got {scale!r}.") from None
+  if not math.isfinite(value):
+    raise ValueError(f"{fn}: scale must be finite; got {scale!r}.")
+  return value
+
+
 def _reject_traced(value: Any, *, name: str, fn: str, what: str = "static") -> None:
   if isinstance(value, jax.core.Tracer):
     raise ValueError(
@@ -309,7 +329,7 @@ def check_choice(value: Any, *, name: str, choices: Sequence[Any], fn: str) -> A
 
 
 def check_implementation(implementation: str | None, *, choices: Sequence[str],
-                         is_causal: bool, noncausal_only: Sequence[str] = ("parallel",),
+                         is_causal: bool, noncausal_only: Sequence[str] = (),
                          fn: str) -> str | None:
   """Checks ``implementation`` (None: the caller's default) against ``choices``
   and the causal mode: a ``noncausal_only`` form with ``is_causal=True`` raises."""

@@ -44,9 +44,9 @@ from jax import lax
 from jax.typing import ArrayLike
 
 from linattn_jax._src import checks, recurrence
+from linattn_jax._src.kernel import KernelFamily, combine_states, empty_carry
 from linattn_jax._src.masks import causal_predicate, length_predicate
 from linattn_jax._src.online_softmax import exponent_shift, safe_divide
-from linattn_jax._src.recurrence import DEFAULT_PER_FEATURE_CHUNK_SIZE as DEFAULT_CHUNK_SIZE
 
 EfficientImplementation = Literal["reference", "parallel", "scan", "chunked"]
 IMPLEMENTATIONS: tuple[str, ...] = typing.get_args(EfficientImplementation)
@@ -111,7 +111,7 @@ def init_efficient_state(
   B, K, H, D = checks.positive_sizes(
       batch=batch, num_kv_heads=num_kv_heads, head_dim=head_dim, value_dim=value_dim,
       fn="init_efficient_state")
-  return EfficientState(*recurrence.empty_carry(B, K, H, H, D, dtype))
+  return EfficientState(*empty_carry(B, K, H, H, D, dtype))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +125,7 @@ class _Softmaxes:
     return jnp.ones(x.shape[:-1] + (1,), x.dtype), x
 
 
-_FAMILY = recurrence.Family(_Softmaxes(), "per_feature", EfficientState, IMPLEMENTATIONS)
+_FAMILY = KernelFamily(_Softmaxes(), "per_feature", EfficientState, IMPLEMENTATIONS)
 
 
 # Reference -------------------------------------------------------------------
@@ -207,7 +207,7 @@ def efficient_attention(
     is_causal: bool = False,
     key_value_seq_lengths: Any = None,
     implementation: EfficientImplementation | None = None,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: int | None = None,
     initial_state: EfficientState | None = None,
     return_state: bool = False,
 ) -> jax.Array | tuple[jax.Array, EfficientState]:
@@ -340,5 +340,5 @@ def _summarize(key: Any, value: Any, *, key_value_seq_lengths: Any = None) -> Ef
 
 recurrence.register_recurrent(
     "efficient", function=efficient_attention, reference=efficient_attention_reference,
-    init=_init_like, step=efficient_attention_step, summarize=_summarize,
-    implementations=IMPLEMENTATIONS)
+    init=_init_like, step=efficient_attention_step, summarize=_summarize, family=_FAMILY,
+    combine=combine_states)

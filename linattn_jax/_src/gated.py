@@ -1,28 +1,22 @@
-"""Gated and delta-rule linear attention: recurrences that forget, on the chunk driver.
+"""Gated linear attention: linear attention whose state decays (RetNet, simple GLA, GLA).
 
 Letters: B batch, T queries, S keys, N query heads, K key/value heads (G = N / K
 query heads share each), H query/key head dim, D value head dim, C chunk length.
 The state of each key/value head is a matrix ``S [H, D]`` (no normaliser); a
-query reads ``o_t = scale · q_tᵀ S_t``.
-
-Gated linear attention (RetNet: a fixed decay per head; Mamba2 and simple GLA:
-a data-dependent decay per head; GLA: one per key feature)::
+query reads ``o_t = scale · q_tᵀ S_t``. RetNet has a fixed decay per head;
+Mamba2 and simple GLA a data-dependent decay per head; GLA one per key feature::
 
     S_t = diag(exp(g_t)) S_{t-1} + k_t v_tᵀ                       g_t ≤ 0, [K] or [K, H]
 
-The delta rule (DeltaNet; Gated DeltaNet with a decay ``g_t`` per head)::
+Each step decays first, then writes. Inside a chunk the decay from key j to
+query i is ``exp(Σ_{j<l≤i} g_l)``, formed from sums of log-decays that are never
+positive (a decay of -1e4 is a clean reset, no ``exp`` overflows). GLA's decays
+per key feature are not one matrix per chunk: its chunk is halved recursively and
+each pair of positions decays through the point where it is split.
 
-    S' = exp(g_t) S_{t-1}     u_t = β_t (v_t - S'ᵀ k_t)     S_t = S' + k_t u_tᵀ
-
-Both decay first, then write. Inside a chunk the decay from key j to query i is
-``exp(Σ_{j<l≤i} g_l)``, formed from sums of log-decays that are never positive
-(a decay of -1e4 is a clean reset, no ``exp`` overflows). The delta rule's chunk
-form is the WY/UT representation (Yang et al., 2024): with ``Γ_i = exp(Σ_{l≤i} g_l)``
-inside the chunk, ``U = (I + L)⁻¹ diag(β) (V - diag(Γ) K S_0)`` where
-``L_ij = β_i (Γ_i / Γ_j) k_iᵀ k_j`` for ``j < i`` (one unit triangular inverse per
-chunk, by halves), then ``S_C = Γ_C S_0 + Σ_j (Γ_C / Γ_j) k_j u_jᵀ``. GLA's decays per key
-feature are not one matrix per chunk: its chunk is halved recursively and each
-pair of positions decays through the point where it is split.
+This module also holds what every matrix-state recurrence shares (the delta rule,
+``delta.py``, builds on it): :class:`GatedState`, the :class:`MatrixFamily` that
+runs them on the entry pipeline, and their registration.
 
 Keys past ``key_value_seq_lengths`` are identity steps (no decay, no write); T ≠ S
 is bottom-right aligned, like every recurrent variant here.
@@ -31,17 +25,18 @@ References:
   Sun et al., "Retentive Network: A Successor to Transformer for Large Language
   Models", 2023. Yang et al., "Gated Linear Attention Transformers with
   Hardware-Efficient Training", 2024. Dao and Gu, "Transformers are SSMs"
-  (Mamba2), 2024. Yang et al., "Parallelizing Linear Transformers with the
-  Delta Rule over Sequence Length", 2024. Yang, Kautz and Hatamizadeh, "Gated
-  Delta Networks: Improving Mamba2 with Delta Rule", 2025.
+  (Mamba2), 2024.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
+import math
 import typing
-from typing import Any, Literal, NamedTuple
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -49,15 +44,12 @@ import numpy as np
 from jax import lax
 from jax.typing import ArrayLike
 
-from linattn_jax._src import checks, recurrence, registry
+from linattn_jax._src import checks, recurrence
 from linattn_jax._src.blocks import pad_axis
-from linattn_jax._src.masks import length_predicate
+from linattn_jax._src.registry import Role, TokenInput
 
 GatedImplementation = Literal["reference", "scan", "associative_scan", "chunked"]
 GATED_IMPLEMENTATIONS: tuple[str, ...] = typing.get_args(GatedImplementation)
-DeltaImplementation = Literal["reference", "scan", "chunked"]
-DELTA_IMPLEMENTATIONS: tuple[str, ...] = typing.get_args(DeltaImplementation)
-
 
 class GatedState(NamedTuple):
   """The state of :func:`gated_linear_attention` and :func:`delta_rule_attention`.
@@ -99,30 +91,6 @@ class GatedSummary(NamedTuple):
   log_decay: jax.Array
 
 
-class DeltaSummary(NamedTuple):
-  """What a span of keys does to a :class:`GatedState` under :func:`delta_rule_attention`.
-
-  The span maps ``S`` to ``A S + B`` with ``A = Π_t exp(g_t) (I - β_t k_t k_tᵀ)``
-  (the latest token on the left) and ``B`` its state from zero; summaries compose
-  by ``(A_l A_e, A_l B_e + B_l)`` (:func:`combine_gated`). Being affine in ``S``, the
-  recurrence run from the state ``[B_e | A_e]`` ``[H, D + H]`` with values ``[v | 0]``
-  leaves ``[A B_e + B | A A_e]``: that is how a summary continues over more keys.
-
-  Attributes:
-    kv: ``[B, K, H, D]``: ``B``, float32 (float64 for float64 inputs).
-    transition: ``A``, ``[B, K, H, H]``.
-
-  Examples:
-    >>> k = jnp.zeros((1, 3, 1, 2)).at[..., 0].set(1.0)  # [B, S, K, H]: unit keys e_0
-    >>> s = la.get_spec("delta_net").streaming.summarize(k, k, beta=jnp.ones((1, 3, 1)))
-    >>> s.transition[0, 0]  # β = 1 erases what e_0 stored: I - e_0 e_0ᵀ
-    Array([[0., 0.],
-           [0., 1.]], dtype=float32)
-  """
-
-  kv: jax.Array
-  transition: jax.Array
-
 
 # Log-decays ------------------------------------------------------------------------------
 
@@ -145,7 +113,7 @@ def segment_sums(g: jax.Array, axis: int) -> jax.Array:
   return jnp.where(on_axes(later | jnp.eye(C, dtype=bool)), sums, -jnp.inf)
 
 
-def _suffix_sums(g: jax.Array, axis: int) -> jax.Array:
+def suffix_sums(g: jax.Array, axis: int) -> jax.Array:
   """``Σ_{l>j} g_l`` along ``axis``: the log-decay from key j to the chunk's end (summed
   from the end, never as a difference: a reset at j does not cancel)."""
   later = jnp.concatenate([lax.slice_in_dim(g, 1, None, axis=axis),
@@ -163,7 +131,7 @@ def _gla_absorb(config, S, chunk: recurrence.Chunk) -> jax.Array:
   del config
   (g,) = chunk.gates
   total = jnp.sum(g, axis=2)[..., None]  # [B, K, H|1, 1]
-  decayed = chunk.fk * jnp.exp(_suffix_sums(g, 2))
+  decayed = chunk.fk * jnp.exp(suffix_sums(g, 2))
   return jnp.exp(total) * S + jnp.einsum("bkjh,bkjd->bkhd", decayed, chunk.v)
 
 
@@ -237,7 +205,7 @@ def _gla_chunk_per_feature(S, chunk: recurrence.Chunk):
   out = out.reshape(q.shape[:-1] + v.shape[-1:])
   # Σ_{l≤t} g_l and Σ_{l>s} g_l within t's and s's span of `span` positions.
   prefix = jnp.cumsum(g_blocks, axis=-2).reshape(g.shape)
-  suffix = _suffix_sums(g_blocks, 3).reshape(g.shape)
+  suffix = suffix_sums(g_blocks, 3).reshape(g.shape)
   while span < padded:
     halves = lambda x, span=span: split(x, 2, span)  # noqa: E731  [.., 2, span, ·]
     pre, suf = halves(prefix), halves(suffix)  # [B, K, padded / 2span, 2, span, H]
@@ -263,17 +231,9 @@ def _gla_token(S, x):
   return S, jnp.einsum("bkgh,bkhd->bkgd", q, S)
 
 
-def _by_token(token, S, chunk: recurrence.Chunk):
-  """``token(S, (q, k, v, *gates)) -> (S, out)`` scanned over the chunk's positions."""
-  xs = (jnp.moveaxis(chunk.fq, 3, 0), *(jnp.moveaxis(x, 2, 0)
-                                        for x in (chunk.fk, chunk.v, *chunk.gates)))
-  S, out = lax.scan(token, S, xs)
-  return S, jnp.moveaxis(out, 0, 3)
-
-
 def _gla_scan(config, S, chunk):
   del config
-  return _by_token(_gla_token, S, chunk)
+  return by_token(_gla_token, S, chunk)
 
 
 def _gla_associative_scan(config, S, chunk):
@@ -298,207 +258,151 @@ _GLA_BODIES = {
 }
 
 
-# The delta rule --------------------------------------------------------------------------
-# gates = (g [B, K, C, 1], beta [B, K, C, 1]).
+# What every matrix-state recurrence shares -----------------------------------------------
 
 
-# The delta rule's inverse and its applications multiply in full float32 (no TF32 on GPUs):
-# an inverse compounds rounding level by level.
-_matmul = functools.partial(jnp.matmul, precision=lax.Precision.HIGHEST)
+def aligned(chunk: recurrence.Chunk) -> recurrence.Chunk:
+  """Keys aligned with the queries (bottom-right): T - S hidden keys in front for T > S."""
+  T, S = chunk.num_queries, chunk.num_keys
+  return chunk.pad_keys(front=max(T - S, 0))
 
 
-def _unit_lower_inverse(M: jax.Array) -> jax.Array:
-  """``M⁻¹`` for unit lower triangular ``M [..., C, C]``, by halves::
+def by_token(token: Callable[[Any, tuple], tuple[Any, jax.Array]], S, chunk):
+  """``token(S, (q, k, v, *gates)) -> (S, out)`` over the chunk's positions
+  (:func:`recurrence.scan_tokens`)."""
+  return recurrence.scan_tokens(lambda S, one: token(S, (one.fq, one.fk, one.v, *one.gates)),
+                                S, chunk._replace(lk=None))
 
-      [[A, 0], [L, D]]⁻¹ = [[A⁻¹, 0], [-D⁻¹ L A⁻¹, D⁻¹]]
 
-  with the two diagonal halves inverted together, one level per halving: matrix
-  products only (a triangular solve is a sequential loop on some backends), in full
-  float32 precision. A size that is not a power of two gets identity rows and
-  columns up to the next one, dropped at the end.
+@dataclasses.dataclass(frozen=True)
+class MatrixFamily(recurrence.Family):
+  """A recurrence whose state per key/value head is a matrix ``S [H, D]`` (no normaliser),
+  read as ``o_t = scale · q_tᵀ S_t``: the gated family here, the delta rule in ``delta.py``.
+
+  A subclass names its implementations, its bodies on the chunk driver, its oracle
+  (``reference(S_0, chunk) -> (out, S_end)``), its per-token inputs and its span
+  summary. The chunk it runs carries the scaled queries in ``fq``, the keys in ``fk``
+  and its inputs' arrays in ``gates`` (in the order of :meth:`token_inputs`, each
+  ``[B, K, S, H|1]``, 0 at padded keys).
   """
-  C = M.shape[-1]
-  padded = 1 << (C - 1).bit_length()
-  if padded != C:
-    pad = [(0, 0)] * (M.ndim - 2) + [(0, padded - C)] * 2
-    ones = jnp.diag(jnp.arange(padded) >= C).astype(M.dtype)  # On the added diagonal.
-    M = jnp.pad(M, pad) + ones.reshape((1,) * (M.ndim - 2) + ones.shape)
-  return _unit_lower_inverse_by_halves(M)[..., :C, :C]
+
+  supports_noncausal: ClassVar[bool] = False
+  bodies: ClassVar[Mapping[str, recurrence.Body]] = {}
+  summary_cls: ClassVar[type] = tuple
+
+  def default_implementation(self, is_causal):
+    del is_causal
+    return "chunked"
+
+  def absorb(self, config, S, chunk):
+    """Keys every query sees: ``S`` after them."""
+    raise NotImplementedError
+
+  def reference(self, S0, chunk):
+    """The oracle's ``(out, S_end)``."""
+    raise NotImplementedError
+
+  def summary_fields(self, lead: tuple[int, ...], K: int, H: int, gates) -> dict[str, tuple]:
+    """The shapes of :attr:`summary_cls`' fields besides ``kv``."""
+    raise NotImplementedError
+
+  def gates(self, inputs, chunk):
+    """The chunk's ``gates`` from the per-token inputs."""
+    return tuple(inputs[x.name] for x in self.token_inputs(inputs, None))
+
+  def start(self, chunk, state, params, inputs, p, options, *, fn):
+    del params
+    d = p.dims
+    scale = options.scale if options.scale is not None else 1.0 / math.sqrt(d.H)
+    chunk = chunk._replace(fq=chunk.fq * scale, lk=None, gates=self.gates(inputs, chunk))
+    if state is None:
+      return recurrence.Start(chunk, None, jnp.zeros_like(chunk.v, shape=(d.B, d.K, d.H, d.D)))
+    lead = (d.B,) if p.batched else ()
+    want = {"kv": lead + (d.K, d.H, d.D)}
+    if isinstance(state, self.summary_cls):
+      cls = self.summary_cls
+      want.update(self.summary_fields(lead, d.K, d.H, chunk.gates))
+    elif isinstance(state, GatedState):
+      cls = GatedState
+    else:
+      raise ValueError(
+          f"{fn}: initial_state must be a {self.summary_cls.__name__} (fields "
+          f"{', '.join(self.summary_cls._fields)}) or a GatedState (field kv); got "
+          f"{type(state).__name__}.")
+    state = recurrence.check_state(state, cls, want, what="initial_state", fn=fn,
+                                   dims=f"B={d.B}, K={d.K}, H={d.H}, D={d.D}"
+                                   + ("" if p.batched else " (no B)"))
+    state = jax.tree.map(lambda x: (x if p.batched else x[None]).astype(chunk.v.dtype), state)
+    chunk, carry = self.continue_from(chunk, state, options)
+    return recurrence.Start(chunk, None, carry, state)
+
+  def continue_from(self, chunk, state, options):
+    """The chunk and the carry that continue from ``state`` (checked and batched)."""
+    del options
+    return chunk, state.kv
+
+  def attend(self, carry, chunk, prepare, options):
+    del prepare
+    if options.implementation == "reference":
+      return self.reference(carry, chunk)
+    bodies = recurrence.Bodies(self.bodies[options.implementation], self.absorb, None)
+    return recurrence.run_chunks(bodies, None, carry, chunk, is_causal=True,
+                                 chunk_size=options.chunk_size)
+
+  def finish(self, out, carry, state, chunk, options):
+    del chunk, options
+    return out, GatedState(carry)
 
 
-def _unit_lower_inverse_by_halves(M: jax.Array) -> jax.Array:
-  """:func:`_unit_lower_inverse` for a power-of-two size."""
-  C = M.shape[-1]
-  if C == 1:
-    return jnp.ones_like(M)
-  h = C // 2
-  halves = _unit_lower_inverse_by_halves(jnp.stack([M[..., :h, :h], M[..., h:, h:]], axis=-3))
-  A_inv, D_inv = halves[..., 0, :, :], halves[..., 1, :, :]
-  below = -_matmul(_matmul(D_inv, M[..., h:, :h]), A_inv)
-  return jnp.concatenate([jnp.concatenate([A_inv, jnp.zeros_like(below)], axis=-1),
-                          jnp.concatenate([below, D_inv], axis=-1)], axis=-2)
+def one_token(fn, state, query, key, value, inputs, **options):
+  """:func:`recurrence.one_token_step` with per-token inputs ``[B, K(, H)]`` (no B
+  unbatched) given a position axis like the arrays."""
+  at = jnp.ndim(query) - 2  # The position axis: after B (if any); bad ranks are named there.
+  inputs = {name: None if x is None else jnp.expand_dims(jnp.asarray(x), at)
+            for name, x in inputs.items()}
+  return recurrence.one_token_step(fn, state, query, key, value, **inputs, **options)
 
 
-def _delta_writes(S, chunk: recurrence.Chunk):
-  """The chunk's writes ``u [B, K, C, D]`` by one unit triangular inverse (the WY/UT form),
-  ``U = (I + L)⁻¹ diag(β) (V - diag(Γ) K S_0)`` with ``L_ij = β_i (Γ_i / Γ_j) k_iᵀ k_j``
-  (j < i); also the decays ``Γ_i / Γ_j`` ``[B, K, C, C]`` (0 where j > i), ``log Γ_i``
-  ``[B, K, C]`` and the state after the chunk."""
-  g, beta = (x[..., 0] for x in chunk.gates)  # [B, K, C]
-  k = chunk.fk
-  C = k.shape[2]
-  prefix = jnp.cumsum(g, axis=2)  # [B, K, C]: log Γ_i
-  decay = jnp.exp(segment_sums(g, 2))
-  strictly_lower = jnp.tril(jnp.ones((C, C), bool), -1)
-  L = jnp.where(strictly_lower, beta[..., None] * decay * jnp.einsum("bkih,bkjh->bkij", k, k), 0)
-  system = L + jnp.eye(C, dtype=L.dtype)[None, None]
-  read = jnp.exp(prefix)[..., None] * jnp.einsum("bkih,bkhd->bkid", k, S)  # Γ_i S_0ᵀ k_i
-  u = _matmul(_unit_lower_inverse(system), beta[..., None] * (chunk.v - read))
-  to_end = jnp.exp(_suffix_sums(g, 2))[..., None]  # [B, K, C, 1]: Γ_C / Γ_j
-  S_end = (jnp.exp(prefix[:, :, -1])[..., None, None] * S
-           + jnp.einsum("bkjh,bkjd->bkhd", k * to_end, u))
-  return u, decay, prefix, S_end
+# Gated linear attention -------------------------------------------------------------------
 
 
-def _delta_chunk(config, S, chunk: recurrence.Chunk):
-  """C queries against the state and the chunk's writes: ``(S_C, out [B, K, G, C, D])``."""
-  del config
-  u, decay, prefix, S_end = _delta_writes(S, chunk)
-  q = chunk.fq
-  a = jnp.einsum("bkgih,bkjh->bkgij", q, chunk.fk) * decay[:, :, None]
-  out = (jnp.einsum("bkgij,bkjd->bkgid", a, u)
-         + jnp.einsum("bkgih,bkhd->bkgid", q * jnp.exp(prefix)[:, :, None, :, None], S))
-  return S_end, out
+@dataclasses.dataclass(frozen=True)
+class GLAFamily(MatrixFamily):
+  """:func:`gated_linear_attention` on the entry pipeline; ``gates = (g,)``."""
+
+  implementations: ClassVar[tuple[str, ...]] = GATED_IMPLEMENTATIONS
+  bodies: ClassVar[Mapping[str, recurrence.Body]] = _GLA_BODIES
+  summary_cls: ClassVar[type] = GatedSummary
+
+  def token_inputs(self, inputs, key):
+    g = inputs.get("log_decay")
+    per_feature = key is not None and g is not None and jnp.ndim(g) == jnp.ndim(key)
+    return (TokenInput("log_decay", Role.DECAY, per_feature=per_feature),)
+
+  def gates(self, inputs, chunk):
+    return (inputs["log_decay"],)
+
+  def chunk_form(self, token_inputs):
+    return "gla" if token_inputs[0].per_feature else "kernel"
+
+  def absorb(self, config, S, chunk):
+    return _gla_absorb(config, S, chunk)
+
+  def reference(self, S0, chunk):
+    return _gla_reference(S0, chunk)
+
+  def summary_fields(self, lead, K, H, gates):
+    return {"log_decay": lead + (K,) + ((H,) if gates[0].shape[-1] > 1 else ())}
+
+  def finish(self, out, carry, state, chunk, options):
+    if isinstance(state, GatedSummary):  # Given a summary, return one: it composes with the span.
+      total = jnp.sum(chunk.gates[0], axis=2)  # [B, K, H|1]: the span's log-decay.
+      per_feature = chunk.gates[0].shape[-1] > 1
+      return out, GatedSummary(carry, state.log_decay + (total if per_feature else total[..., 0]))
+    return out, GatedState(carry)
 
 
-def _delta_token(S, x):
-  q, k, v, g, beta = x  # [B, K, G, H], [B, K, H], [B, K, D], [B, K, 1], [B, K, 1]
-  S = jnp.exp(g)[..., None] * S
-  u = beta * (v - jnp.einsum("bkh,bkhd->bkd", k, S))
-  S = S + k[..., None] * u[..., None, :]
-  return S, jnp.einsum("bkgh,bkhd->bkgd", q, S)
-
-
-def _delta_scan(config, S, chunk):
-  del config
-  return _by_token(_delta_token, S, chunk)
-
-
-def _delta_absorb(config, S, chunk):
-  del config
-  return _delta_writes(S, chunk)[-1]
-
-
-_DELTA_BODIES = {"scan": _delta_scan, "chunked": _delta_chunk}
-
-
-# Shared entry ----------------------------------------------------------------------------
-
-
-def _gate(x: Any, *, name: str, p: checks.Prepared, per_feature: bool, fn: str) -> jax.Array:
-  """A per-key input ``[B, S, K]`` (or ``[B, S, K, H]`` when ``per_feature``) as
-  ``[B, K, S, H|1]`` float32; unbatched calls pass it without B."""
-  B, _, S, _, K, H, _ = p.dims
-  x = jnp.asarray(x)
-  shapes = [(B, S, K)] + ([(B, S, K, H)] if per_feature else [])
-  if not p.batched:
-    x = x[None]
-  if x.shape not in shapes or not jnp.issubdtype(x.dtype, jnp.floating):
-    lead = "" if p.batched else " without B"
-    want = " or ".join(str(s if p.batched else s[1:]) for s in shapes)
-    raise ValueError(f"{fn}: {name} must be a float array {want}{lead} for key {p.key.shape}; "
-                     f"got {x.dtype} {x.shape if p.batched else x.shape[1:]}.")
-  x = x.astype(checks.accumulation_dtype(p.query.dtype))
-  return (x[..., None] if x.ndim == 3 else x).transpose(0, 2, 1, 3)
-
-
-def _initial(state: Any, p: checks.Prepared, dtype: Any, *, delta: bool, per_feature: bool,
-             fn: str) -> GatedState | GatedSummary | DeltaSummary:
-  """``initial_state`` checked against the arrays, batched and in ``dtype``: a
-  :class:`GatedState`, or the family's summary (whose ``kv`` is the state it leaves)."""
-  B, _, _, _, K, H, D = p.dims
-  lead = (B,) if p.batched else ()
-  summary_cls = DeltaSummary if delta else GatedSummary
-  want = {"kv": lead + (K, H, D)}
-  if isinstance(state, summary_cls):
-    cls = summary_cls
-    want.update({"transition": lead + (K, H, H)} if delta else
-                {"log_decay": lead + (K,) + ((H,) if per_feature else ())})
-  elif isinstance(state, GatedState):
-    cls = GatedState
-  else:
-    raise ValueError(
-        f"{fn}: initial_state must be a {summary_cls.__name__} (fields "
-        f"{', '.join(summary_cls._fields)}) or a GatedState (field kv); got "
-        f"{type(state).__name__}.")
-  state = recurrence.check_state(state, cls, want, what="initial_state", fn=fn,
-                                 dims=f"B={B}, K={K}, H={H}, D={D}"
-                                 + ("" if p.batched else " (no B)"))
-  return jax.tree.map(lambda x: (x if p.batched else x[None]).astype(dtype), state)
-
-
-@functools.partial(jax.jit, static_argnames=("delta", "implementation", "chunk_size",
-                                             "return_state", "fn"))
-def _attention(query, key, value, log_decay, beta, scale, lengths, state, *, delta: bool,
-               implementation: str, chunk_size: int, return_state: bool, fn: str):
-  p = checks.prepare_qkv(query, key, value, fn=fn)
-  (lengths,) = checks.check_lengths(p, fn=fn, key_value_seq_lengths=lengths).values()
-  B, T, S, N, K, H, D = p.dims
-  dtype = checks.accumulation_dtype(p.query.dtype)
-  scale = checks.resolve_scale(scale, H)
-  g = (jnp.zeros((B, K, S, 1), dtype) if log_decay is None else
-       _gate(log_decay, name="log_decay", p=p, per_feature=not delta, fn=fn))
-  gates = (g,) if beta is None else (g, _gate(beta, name="beta", p=p, per_feature=False, fn=fn))
-  valid = length_predicate(jnp.arange(S), lengths)[:, None, :, None]  # [B|1, 1, S, 1]
-  hide = lambda x: jnp.where(valid, x, 0)  # noqa: E731  A padded key: no decay, no write.
-  q = (p.query.astype(dtype) * scale).reshape(B, T, K, N // K, H).transpose(0, 2, 3, 1, 4)
-  k = hide(p.key.astype(dtype).transpose(0, 2, 1, 3))
-  v = hide(p.value.astype(dtype).transpose(0, 2, 1, 3))
-  if state is None:
-    S0 = jnp.zeros_like(v, shape=(B, K, H, D))
-  else:
-    state = _initial(state, p, dtype, delta=delta, per_feature=g.shape[-1] > 1, fn=fn)
-    S0 = state.kv
-  transition = isinstance(state, DeltaSummary) and return_state
-  if transition:
-    # The keys act on a state as S ↦ A S + B, so the same recurrence run from [S_0 | A_0]
-    # with values [v | 0] leaves [A S_0 + B | A A_0]: the summary composed with the keys'.
-    v = jnp.concatenate([v, jnp.zeros_like(v, shape=v.shape[:-1] + (H,))], axis=-1)
-    S0 = jnp.concatenate([S0, state.transition], axis=-1)
-  chunk = recurrence.Chunk(q, None, k, None, v, tuple(hide(x) for x in gates))
-  if implementation == "reference":
-    out, S_end = (_delta_reference if delta else _gla_reference)(S0, chunk)
-  else:
-    bodies = recurrence.Bodies(
-        (_DELTA_BODIES if delta else _GLA_BODIES)[implementation],
-        _delta_absorb if delta else _gla_absorb, None)
-    out, S_end = recurrence.run_chunks(bodies, None, S0, chunk, is_causal=True,
-                                       chunk_size=chunk_size)
-  out = out[..., :D].transpose(0, 3, 1, 2, 4).reshape(B, T, N, D).astype(p.query.dtype)
-  final = GatedState(S_end)
-  if transition:
-    final = DeltaSummary(S_end[..., :D], S_end[..., D:])
-  elif isinstance(state, GatedSummary):  # Given a summary, return one: it composes with the span.
-    total = jnp.sum(chunk.gates[0], axis=2)  # [B, K, H|1]: the span's log-decay.
-    final = GatedSummary(S_end, state.log_decay + (total if g.shape[-1] > 1 else total[..., 0]))
-  return p.restore(out), final if p.batched else jax.tree.map(lambda x: x[0], final)
-
-
-def _run(query, key, value, log_decay, beta, *, scale, is_causal, key_value_seq_lengths,
-         initial_state, return_state, implementation, chunk_size, choices, fn):
-  is_causal = checks.check_static_bool(is_causal, name="is_causal", fn=fn)
-  if not is_causal:
-    raise ValueError(f"{fn}: is_causal=False is not supported: these are recurrences, each "
-                     "output reads the state of the keys up to its own position.")
-  implementation = checks.check_implementation(
-      implementation, choices=choices, is_causal=True, fn=fn) or "chunked"
-  per_feature = beta is None and log_decay is not None and jnp.ndim(log_decay) == jnp.ndim(key)
-  chunk_size = recurrence.check_chunk_size(chunk_size, form="gla" if per_feature else "kernel",
-                                           fn=fn)
-  out, state = _attention(query, key, value, log_decay, beta, scale, key_value_seq_lengths,
-                          initial_state, delta=beta is not None, implementation=implementation,
-                          chunk_size=chunk_size, return_state=bool(return_state), fn=fn)
-  return (out, state) if return_state else out
+# The public function --------------------------------------------------------------------
 
 
 def gated_linear_attention(
@@ -508,7 +412,7 @@ def gated_linear_attention(
     log_decay: ArrayLike,
     *,
     scale: float | None = None,
-    is_causal: bool = True,
+    is_causal: bool = False,
     key_value_seq_lengths: ArrayLike | None = None,
     initial_state: GatedState | None = None,
     return_state: bool = False,
@@ -527,9 +431,11 @@ def gated_linear_attention(
     value: ``[B, S, K, D]``.
     log_decay: ``g``, ``[B, S, K]`` (one decay per head: constant for RetNet,
       data-dependent for simple GLA / Mamba2) or ``[B, S, K, H]`` (one per key
-      feature: GLA); every entry ≤ 0 (``-inf`` or a large negative value resets).
-    scale: multiplies the query; default ``1 / sqrt(H)``.
-    is_causal: must be True (these are recurrences).
+      feature: GLA); every entry ≤ 0 (``-inf`` or a large negative value resets),
+      checked where it is concrete (not under ``jax.jit``).
+    scale: multiplies the query (a static float); default ``1 / sqrt(H)``.
+    is_causal: must be True (a recurrence); the default False raises, as for every
+      causal-only variant.
     key_value_seq_lengths: optional ``[B]``: keys at or past it are identity steps.
     initial_state: a :class:`GatedState` to continue from, or a
       :class:`GatedSummary` (continued from its ``kv``).
@@ -548,13 +454,13 @@ def gated_linear_attention(
 
   Raises:
     ValueError: for ``is_causal=False``, bad shapes or dtypes of the arrays or
-      ``log_decay``, an unknown implementation, a bad ``chunk_size`` or a
-      state that does not match.
+      ``log_decay``, a positive ``log_decay`` (where concrete), a traced ``scale``,
+      an unknown implementation, a bad ``chunk_size`` or a state that does not match.
 
   Examples:
     >>> x = jax.random.normal(jax.random.key(0), (1, 16, 2, 8))  # [B, T, N=K, H=D]
     >>> g = jnp.full((1, 16, 2), jnp.log(0.9))  # RetNet: a fixed decay per head
-    >>> la.gated_linear_attention(x, x, x, g).shape
+    >>> la.gated_linear_attention(x, x, x, g, is_causal=True).shape
     (1, 16, 2, 8)
 
   References:
@@ -564,77 +470,15 @@ def gated_linear_attention(
     SSMs: Generalized Models and Efficient Algorithms Through Structured State
     Space Duality", 2024.
   """
-  return _run(query, key, value, log_decay, None, scale=scale, is_causal=is_causal,
-              key_value_seq_lengths=key_value_seq_lengths, initial_state=initial_state,
-              return_state=return_state, implementation=implementation, chunk_size=chunk_size,
-              choices=GATED_IMPLEMENTATIONS, fn="gated_linear_attention")
+  return _gated(query, key, value, log_decay, scale=scale, is_causal=is_causal,
+                key_value_seq_lengths=key_value_seq_lengths, initial_state=initial_state,
+                return_state=return_state, implementation=implementation,
+                chunk_size=chunk_size, fn="gated_linear_attention")
 
 
-def delta_rule_attention(
-    query: ArrayLike,
-    key: ArrayLike,
-    value: ArrayLike,
-    beta: ArrayLike,
-    *,
-    log_decay: ArrayLike | None = None,
-    scale: float | None = None,
-    is_causal: bool = True,
-    key_value_seq_lengths: ArrayLike | None = None,
-    initial_state: GatedState | None = None,
-    return_state: bool = False,
-    implementation: DeltaImplementation | None = None,
-    chunk_size: int | None = None,
-) -> jax.Array | tuple[jax.Array, GatedState]:
-  """The delta rule (DeltaNet; Gated DeltaNet with ``log_decay``).
-
-  ``S' = exp(g_t) S_{t-1}``, ``u_t = β_t (v_t - S'ᵀ k_t)``,
-  ``S_t = S' + k_t u_tᵀ``, ``o_t = scale · q_tᵀ S_t``: each write replaces
-  part of what the key already stores. The keys are used as given (the
-  papers' layers L2-normalise them first).
-
-  Args:
-    query: ``[B, T, N, H]`` (or unbatched ``[T, N, H]``).
-    key: ``[B, S, K, H]``; K must divide N.
-    value: ``[B, S, K, D]``.
-    beta: ``[B, S, K]`` write strengths in [0, 1].
-    log_decay: optional ``g`` ``[B, S, K]``, ≤ 0 (None: no decay, DeltaNet).
-    scale: multiplies the query; default ``1 / sqrt(H)``.
-    is_causal: must be True (these are recurrences).
-    key_value_seq_lengths: optional ``[B]``: keys at or past it are identity steps.
-    initial_state: a :class:`GatedState` to continue from, or a
-      :class:`DeltaSummary` (continued from its ``kv``).
-    return_state: also return the final state: a :class:`GatedState`, or for a
-      summary ``initial_state`` that summary followed by these keys.
-    implementation: ``"reference"`` (token by token, every state kept), ``"scan"``
-      (token by token on ``lax.scan``) or ``"chunked"`` (the default: the
-      WY/UT chunk form, one unit triangular inverse per chunk).
-    chunk_size: positions per chunk of ``"scan"`` and ``"chunked"``.
-      None: the default backend's measured best, 64 on CPU and 256 on GPU.
-
-  Returns:
-    ``[B, T, N, D]`` in the input dtype; with ``return_state`` the pair
-    ``(out, state)``. T ≠ S is bottom-right aligned.
-
-  Raises:
-    ValueError: for ``is_causal=False``, bad shapes or dtypes of the arrays,
-      ``beta`` or ``log_decay``, an unknown implementation, a bad
-      ``chunk_size`` or a state that does not match.
-
-  Examples:
-    >>> x = jax.random.normal(jax.random.key(0), (1, 16, 2, 8))  # [B, T, N=K, H=D]
-    >>> k = x / jnp.linalg.norm(x, axis=-1, keepdims=True)
-    >>> la.delta_rule_attention(x, k, x, jnp.full((1, 16, 2), 0.5)).shape
-    (1, 16, 2, 8)
-
-  References:
-    Yang et al., "Parallelizing Linear Transformers with the Delta Rule over
-    Sequence Length", 2024. Yang, Kautz and Hatamizadeh, "Gated Delta
-    Networks: Improving Mamba2 with Delta Rule", 2025.
-  """
-  return _run(query, key, value, log_decay, beta, scale=scale, is_causal=is_causal,
-              key_value_seq_lengths=key_value_seq_lengths, initial_state=initial_state,
-              return_state=return_state, implementation=implementation, chunk_size=chunk_size,
-              choices=DELTA_IMPLEMENTATIONS, fn="delta_rule_attention")
+def _gated(query, key, value, log_decay, *, fn: str, **options):
+  return recurrence.recurrent_attention(GLAFamily(), query, key, value,
+                                        inputs={"log_decay": log_decay}, fn=fn, **options)
 
 
 # Decoding --------------------------------------------------------------------------------
@@ -666,13 +510,6 @@ def init_gated_state(batch: int, num_kv_heads: int, head_dim: int, value_dim: in
   return GatedState(jnp.zeros(sizes, dtype))
 
 
-def _one_token(fn, state, query, key, value, gates, **options):
-  """:func:`recurrence.one_token_step` with per-key gates ``[B, K(, H)]`` (no B unbatched)
-  given a position axis like the arrays."""
-  at = jnp.ndim(query) - 2  # The position axis: after B (if any); bad ranks are named there.
-  gates = {name: None if x is None else jnp.expand_dims(jnp.asarray(x), at)
-           for name, x in gates.items()}
-  return recurrence.one_token_step(fn, state, query, key, value, **gates, **options)
 
 
 def gated_linear_attention_step(state: GatedState, query: ArrayLike, key: ArrayLike,
@@ -705,61 +542,18 @@ def gated_linear_attention_step(state: GatedState, query: ArrayLike, key: ArrayL
     Yang et al., "Gated Linear Attention Transformers with Hardware-Efficient
     Training", 2024.
   """
-  return _one_token(gated_linear_attention, state, query, key, value,
+  return one_token(gated_linear_attention, state, query, key, value,
                     {"log_decay": log_decay}, scale=scale)
 
 
-def delta_rule_attention_step(state: GatedState, query: ArrayLike, key: ArrayLike,
-                              value: ArrayLike, beta: ArrayLike, *,
-                              log_decay: ArrayLike | None = None,
-                              scale: float | None = None) -> tuple[GatedState, jax.Array]:
-  """One decoding step of :func:`delta_rule_attention`.
 
-  ``S' = exp(g) S``, ``u = β (v - S'ᵀ k)``, ``S <- S' + k uᵀ``, ``o = scale · qᵀ S``.
-
-  Args:
-    state: the :class:`GatedState` so far (``kv [B, K, H, D]``).
-    query: ``[B, N, H]`` (no B when unbatched, like the state).
-    key: ``[B, K, H]``.
-    value: ``[B, K, D]``.
-    beta: ``[B, K]`` in [0, 1].
-    log_decay: optional ``[B, K]``, ≤ 0.
-    scale: multiplies the query; default ``1 / sqrt(H)``.
-
-  Returns:
-    ``(state, out [B, N, D])``, the state in the dtype it came in.
-
-  Raises:
-    ValueError: on ranks or shapes that do not match each other or the state.
-
-  Examples:
-    >>> state = la.init_gated_state(batch=1, num_kv_heads=2, head_dim=4, value_dim=4)
-    >>> x = jnp.ones((1, 2, 4)) / 2  # [B, N=K, H=D]; a unit key
-    >>> state, out = la.delta_rule_attention_step(state, x, x, x, jnp.ones((1, 2)))
-    >>> bool(jnp.allclose(state.kv[0, 0].T @ x[0, 0], x[0, 0]))  # β = 1 stores v at k
-    True
-
-  References:
-    Yang et al., "Parallelizing Linear Transformers with the Delta Rule over
-    Sequence Length", 2024.
-  """
-  return _one_token(delta_rule_attention, state, query, key, value,
-                    {"beta": beta, "log_decay": log_decay}, scale=scale)
-
-
-# Oracles ---------------------------------------------------------------------------------
-
-
-def _aligned(chunk: recurrence.Chunk) -> recurrence.Chunk:
-  """Keys aligned with the queries (bottom-right): T - S hidden keys in front for T > S."""
-  T, S = chunk.num_queries, chunk.num_keys
-  return chunk.pad_keys(front=max(T - S, 0))
+# The oracle --------------------------------------------------------------------------------
 
 
 def _gla_reference(S0, chunk: recurrence.Chunk):
   """``(Q Kᵀ ⊙ Γ) V + (Q ⊙ exp(G)) S_0`` with ``Γ_ij = exp(G_i - G_j)``, ``G`` the prefix
   sums of the log-decays, all positions at once (float32; moderate decays only)."""
-  chunk = _aligned(chunk)
+  chunk = aligned(chunk)
   (g,) = chunk.gates
   T, S = chunk.num_queries, chunk.num_keys
   G = jnp.cumsum(g, axis=2)  # [B, K, S, H|1]
@@ -775,23 +569,6 @@ def _gla_reference(S0, chunk: recurrence.Chunk):
            + jnp.einsum("bkjh,bkjd->bkhd", chunk.fk * to_end, chunk.v))
   return out, S_end
 
-
-def _delta_reference(S0, chunk: recurrence.Chunk):
-  """The delta rule token by token, written out: one ``lax.scan`` step per key (every
-  key's state kept, ``[S, B, K, H, D]``: small S only), then each query reads its own."""
-  chunk = _aligned(chunk)
-  T, S = chunk.num_queries, chunk.num_keys
-
-  def token(state, x):
-    k, v, g, beta = x  # [B, K, H], [B, K, D], [B, K, 1], [B, K, 1]
-    state = jnp.exp(g)[..., None] * state
-    u = beta * (v - jnp.einsum("bkh,bkhd->bkd", k, state))
-    state = state + jnp.einsum("bkh,bkd->bkhd", k, u)
-    return state, state
-
-  keys = tuple(jnp.moveaxis(x, 2, 0) for x in (chunk.fk, chunk.v, *chunk.gates))
-  state, states = lax.scan(token, S0, keys)
-  return jnp.einsum("bkgth,tbkhd->bkgtd", chunk.fq, states[S - T:]), state
 
 
 def gated_linear_attention_reference(query: ArrayLike, key: ArrayLike, value: ArrayLike,
@@ -817,142 +594,100 @@ def gated_linear_attention_reference(query: ArrayLike, key: ArrayLike, value: Ar
     Yang et al., "Gated Linear Attention Transformers with Hardware-Efficient
     Training", 2024.
   """
-  return _reference_call(query, key, value, log_decay, None, options,
-                         fn="gated_linear_attention_reference")
+  options = reference_options(gated_linear_attention, options,
+                              fn="gated_linear_attention_reference")
+  return _gated(query, key, value, log_decay, implementation="reference",
+                fn="gated_linear_attention_reference", **options)
 
 
-def delta_rule_attention_reference(query: ArrayLike, key: ArrayLike, value: ArrayLike,
-                                   beta: ArrayLike, **options: Any):
-  """The oracle of :func:`delta_rule_attention`: the token recurrence written out.
-
-  One step per key, keeping every state (small S only), float32. Takes the arrays
-  ``[B, T, N, H]``, ``[B, S, K, H]``, ``[B, S, K, D]``, ``[B, S, K]`` and the
-  options of :func:`delta_rule_attention` but ``implementation``.
-
-  Raises:
-    ValueError: as :func:`delta_rule_attention`, under this name.
-
-  Examples:
-    >>> x = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))
-    >>> beta = jnp.full((1, 8, 2), 0.5)
-    >>> fast = la.delta_rule_attention(x, x, x, beta)
-    >>> bool(jnp.allclose(fast, la.delta_rule_attention_reference(x, x, x, beta), atol=1e-5))
-    True
-
-  References:
-    Yang et al., "Parallelizing Linear Transformers with the Delta Rule over
-    Sequence Length", 2024.
-  """
-  log_decay = options.pop("log_decay", None)
-  return _reference_call(query, key, value, log_decay, beta, options,
-                         fn="delta_rule_attention_reference")
-
-
-def _reference_call(query, key, value, log_decay, beta, options, *, fn):
-  if "implementation" in options:
-    raise ValueError(f"{fn}: takes no implementation (it is the reference).")
-  defaults = dict(scale=None, is_causal=True, key_value_seq_lengths=None, initial_state=None,
-                  return_state=False, chunk_size=None)
-  unknown = set(options) - set(defaults)
+def reference_options(function: Callable[..., Any], options: Mapping[str, Any], *,
+                      fn: str) -> dict[str, Any]:
+  """``options`` checked to be ``function``'s keyword options but ``implementation``
+  (an oracle takes the same options as its function, less how to compute)."""
+  allowed = {n for n, p in inspect.signature(function).parameters.items()
+             if p.kind is p.KEYWORD_ONLY} - {"implementation"}
+  unknown = sorted(set(options) - allowed)
   if unknown:
-    raise ValueError(f"{fn}: unknown options {sorted(unknown)}.")
-  return _run(query, key, value, log_decay, beta, **{**defaults, **options},
-              implementation="reference", choices=("reference",), fn=fn)
+    raise ValueError(f"{fn}: unknown options {unknown}; options are {sorted(allowed)}.")
+  return dict(options)
 
 
 # Summaries, their combine and the registry entries ----------------------------------------
 
 
 def combine_gated(earlier: Any, later: Any) -> Any:
-  """The summary of ``earlier``'s keys followed by ``later``'s (the registry's ``combine``).
+  """The summary of ``earlier``'s keys followed by ``later``'s (``gla``'s and its siblings'
+  ``combine``): ``(B_e, a_e) ∘ (B_l, a_l) = (diag(exp(a_l)) B_e + B_l, a_e + a_l)``.
 
-  Gated: ``(B_e, a_e) ∘ (B_l, a_l) = (diag(exp(a_l)) B_e + B_l, a_e + a_l)``; delta rule:
-  ``(B_e, A_e) ∘ (B_l, A_l) = (A_l B_e + B_l, A_l A_e)``. Associative, so summaries of
-  consecutive spans combine into the summary of all. ``earlier`` may also be a
-  :class:`GatedState` (the state of the keys so far): the result is then the state
-  after ``later``'s keys.
+  Associative, so summaries of consecutive spans combine into the summary of all.
+  ``earlier`` may also be a :class:`GatedState` (the state of the keys so far): the
+  result is then the state after ``later``'s keys.
 
   Raises:
     ValueError: for other or mixed types, or fields whose shapes differ.
   """
-  cls = type(later)
-  if cls not in (GatedSummary, DeltaSummary) or type(earlier) not in (cls, GatedState):
+  kv = check_summaries(earlier, later, GatedSummary)
+  decay = jnp.exp(later.log_decay)
+  rank = jnp.ndim(kv) - decay.ndim
+  if rank not in (1, 2):
+    raise ValueError(f"combine: GatedSummary.log_decay {decay.shape} must be [B, K] or "
+                     f"[B, K, H] for kv {jnp.shape(kv)}.")
+  kv = (decay[..., None, None] if rank == 2 else decay[..., None]) * kv + later.kv
+  if type(earlier) is GatedState:
+    return GatedState(kv)
+  return GatedSummary(kv, earlier.log_decay + later.log_decay)
+
+
+def check_summaries(earlier: Any, later: Any, cls: type) -> jax.Array:
+  """``earlier.kv`` once ``later`` is a ``cls`` and ``earlier`` one too or a
+  :class:`GatedState`, with fields of the same shapes; a ValueError otherwise."""
+  if type(later) is not cls or type(earlier) not in (cls, GatedState):
     raise ValueError(
-        "combine: later must be a GatedSummary or a DeltaSummary and earlier one of the same "
-        f"type or a GatedState; got {type(earlier).__name__} and {cls.__name__}.")
+        f"combine: later must be a {cls.__name__} and earlier one too or a GatedState; got "
+        f"{type(earlier).__name__} and {type(later).__name__}.")
   for field in type(earlier)._fields:
     a, b = jnp.shape(getattr(earlier, field)), jnp.shape(getattr(later, field))
     if a != b:
       raise ValueError(f"combine: {cls.__name__}.{field} has shapes {a} and {b}.")
-  kv = earlier.kv
-  if cls is DeltaSummary:
-    kv = jnp.einsum("...hi,...id->...hd", later.transition, kv) + later.kv
-  else:
-    decay = jnp.exp(later.log_decay)
-    rank = jnp.ndim(kv) - decay.ndim
-    if rank not in (1, 2):
-      raise ValueError(f"combine: GatedSummary.log_decay {decay.shape} must be [B, K] or "
-                       f"[B, K, H] for kv {jnp.shape(kv)}.")
-    kv = (decay[..., None, None] if rank == 2 else decay[..., None]) * kv + later.kv
-  if type(earlier) is GatedState:
-    return GatedState(kv)
-  if cls is DeltaSummary:
-    return DeltaSummary(kv, jnp.einsum("...hi,...ij->...hj", later.transition,
-                                       earlier.transition))
-  return GatedSummary(kv, earlier.log_decay + later.log_decay)
+  return earlier.kv
 
 
-def _identity(key: Any, value: Any, *, delta: bool, per_feature: bool) -> Any:
-  """The summary of no keys (zero ``kv``; zero log-decay or identity transition) for
-  ``key [B, S, K, H]`` / ``value [B, S, K, D]`` (no B unbatched); None for bad ranks."""
+def empty_kv(key: Any, value: Any) -> tuple[jax.Array, tuple[int, ...], Any] | None:
+  """Zeros ``kv [B, K, H, D]`` for ``key [B, S, K, H]`` / ``value [B, S, K, D]`` (no B
+  unbatched), with the lead shape and dtype; None for bad ranks (the call names them).
+  Built ``zeros_like`` the key: inside shard_map it varies over the devices as they do."""
   key, value = jnp.asarray(key), jnp.asarray(value)
   if key.ndim not in (3, 4) or value.ndim != key.ndim:
-    return None  # The attention call names the ranks.
+    return None
   lead, (K, H), D = key.shape[:-3], key.shape[-2:], value.shape[-1]
   dtype = checks.accumulation_dtype(key.dtype)
-  # zeros_like: inside shard_map the summary varies over the devices as the keys do.
-  zeros = functools.partial(jnp.zeros_like, key, dtype)
-  kv = zeros(shape=lead + (K, H, D))
-  if delta:
-    eye = jnp.eye(H, dtype=dtype).reshape((1,) * (len(lead) + 1) + (H, H))
-    return DeltaSummary(kv, zeros(shape=lead + (K, H, H)) + eye)
-  return GatedSummary(kv, zeros(shape=lead + (K,) + ((H,) if per_feature else ())))
+  return jnp.zeros_like(key, dtype, shape=lead + (K, H, D)), lead, dtype
 
 
-def _identity_like(query: Any, key: Any, value: Any, *, delta: bool, per_feature: bool) -> Any:
-  """The empty summary for ``[B, T, N, H]`` / ``[B, S, K, H]`` / ``[B, S, K, D]`` arrays
-  (the registry's ``identity``, for context parallelism): steps from it return summaries."""
-  p = checks.prepare_qkv(query, key, value, fn="init_gated_state")
-  return _identity(p.key, p.value, delta=delta, per_feature=per_feature)
+def _identity(key: Any, value: Any, *, per_feature: bool) -> GatedSummary | None:
+  """The :class:`GatedSummary` of no keys (zero ``kv`` and log-decay)."""
+  empty = empty_kv(key, value)
+  if empty is None:
+    return None
+  kv, lead, dtype = empty
+  K, H = kv.shape[-3:-1]
+  return GatedSummary(kv, jnp.zeros_like(kv, shape=lead + (K,) + ((H,) if per_feature else ())))
 
 
-def _init_like(query: Any, key: Any, value: Any) -> GatedState:
+def init_like(query: Any, key: Any, value: Any) -> GatedState:
   """The empty :class:`GatedState` ``[B, K, H, D]`` for arrays shaped like ``query``, ``key``,
   ``value`` (the registry's ``init``): what decoding carries, without a summary's decays or
-  ``[K, H, H]`` transitions."""
+  transitions."""
   p = checks.prepare_qkv(query, key, value, fn="init_gated_state")
-  return GatedState(_identity(p.key, p.value, delta=False, per_feature=False).kv)
+  return GatedState(empty_kv(p.key, p.value)[0])
 
 
 def _gated_summarize(key: Any, value: Any, log_decay: Any, *, key_value_seq_lengths: Any = None,
                      chunk_size: int | None = None) -> GatedSummary:
   """The :class:`GatedSummary` of ``key [B, S, K, H]`` / ``value [B, S, K, D]``."""
-  identity = _identity(key, value, delta=False,
-                       per_feature=jnp.ndim(log_decay) == jnp.ndim(key))
+  identity = _identity(key, value, per_feature=jnp.ndim(log_decay) == jnp.ndim(key))
   return recurrence.summarize_keys(gated_linear_attention, key, value, log_decay=log_decay,
                                    initial_state=identity, chunk_size=chunk_size,
-                                   key_value_seq_lengths=key_value_seq_lengths)
-
-
-def _delta_summarize(key: Any, value: Any, beta: Any, *, log_decay: Any = None,
-                     key_value_seq_lengths: Any = None,
-                     chunk_size: int | None = None) -> DeltaSummary:
-  """The :class:`DeltaSummary` of ``key [B, S, K, H]`` / ``value [B, S, K, D]`` (the
-  recurrence run from the identity summary, as :class:`DeltaSummary` says)."""
-  return recurrence.summarize_keys(delta_rule_attention, key, value, beta=beta,
-                                   log_decay=log_decay, chunk_size=chunk_size,
-                                   initial_state=_identity(key, value, delta=True,
-                                                           per_feature=False),
                                    key_value_seq_lengths=key_value_seq_lengths)
 
 
@@ -967,63 +702,72 @@ def _fixed_log_decays(key: Any) -> jax.Array:
   return jnp.broadcast_to(jnp.asarray(log_gamma, dtype), shape[:-1])
 
 
-def _entry(fn: Any, *, name: str, key_at: int, inputs: tuple[tuple[str, str], ...],
-           gates: Any = None) -> Any:
+def _entry(fn: Any, *, name: str, key_at: int, token_inputs: tuple[TokenInput, ...],
+           gates: Any = None, all_inputs: tuple[str, ...]) -> Any:
   """``fn`` as registered under ``name``: its per-token inputs are the keyword-only
-  ``inputs`` (names and declared shapes), checked against the key (the positional
-  argument at ``key_at``) and passed on as ``fn``'s ``log_decay`` / ``beta``; a variant
-  without inputs computes them as ``gates(key)``. Gates outside ``inputs`` are refused."""
-  declared, inputs = inputs, tuple(n for n, _ in inputs)
+  ``token_inputs``, checked against the key (the positional argument at ``key_at``) and
+  passed on by name; a variant without inputs computes them as ``gates(key)``. Inputs of
+  ``fn`` (``all_inputs``) outside ``token_inputs`` are refused."""
+  names = tuple(x.name for x in token_inputs)
   signature = inspect.signature(fn)
-  params = [p for p in signature.parameters.values() if p.name not in ("log_decay", "beta")]
+  params = [p for p in signature.parameters.values() if p.name not in all_inputs]
   positional = [p for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
   rest = [p for p in params if p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD]
-  extra = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY) for n in inputs]
+  extra = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY) for n in names]
 
   @functools.wraps(fn)
   def entry(*args: Any, **kwargs: Any) -> Any:
-    given = {n: kwargs.pop(n) for n in inputs if n in kwargs}
-    missing = [n for n in inputs if n not in given]
-    refused = [n for n in ("log_decay", "beta") if n in kwargs]
+    given = {n: kwargs.pop(n) for n in names if n in kwargs}
+    missing = [n for n in names if n not in given]
+    refused = [n for n in all_inputs if n in kwargs]
     if missing or refused:
-      raise ValueError(f"{name}: takes the per-token input(s) {list(inputs)} as keyword "
+      raise ValueError(f"{name}: takes the per-token input(s) {list(names)} as keyword "
                        f"arguments; missing {missing}, not taken {refused}.")
     key = args[key_at] if len(args) > key_at else kwargs.get("key")
     if gates is not None:
       return fn(*args, **gates(key), **kwargs)
     if jnp.ndim(key) >= 2:  # Else the function names the ranks it needs.
-      given = registry.check_extra_inputs(name, declared, given, jnp.shape(key))
+      given = {x.name: x.check(given[x.name], jnp.shape(key), fn=name) for x in token_inputs}
     return fn(*args, **given, **kwargs)
 
   entry.__signature__ = signature.replace(parameters=positional + extra + rest)
   return entry
 
 
-def _register(name: str, *, delta: bool, inputs: tuple[tuple[str, str], ...], gates: Any = None,
-              per_feature: bool = False) -> None:
-  if delta:
-    function, reference, step, summarize = (delta_rule_attention, delta_rule_attention_reference,
-                                            delta_rule_attention_step, _delta_summarize)
-  else:
-    function, reference, step, summarize = (gated_linear_attention,
-                                            gated_linear_attention_reference,
-                                            gated_linear_attention_step, _gated_summarize)
-  entry = functools.partial(_entry, name=name, inputs=inputs, gates=gates)
+def register_matrix(name: str, *, family: MatrixFamily, function: Callable[..., Any],
+                    reference: Callable[..., Any], step: Callable[..., Any],
+                    summarize: Callable[..., Any], identity: Callable[..., Any],
+                    combine: Callable[..., Any], token_inputs: tuple[TokenInput, ...],
+                    gates: Any = None) -> None:
+  """Registers a matrix-state recurrence: each entry point takes ``token_inputs`` by
+  keyword (or computes its inputs as ``gates(key)``), decodes from a :class:`GatedState`,
+  and summarises spans with ``summarize`` / ``identity`` / ``combine``."""
+  all_inputs = tuple(p for p in inspect.signature(function).parameters
+                     if p in ("log_decay", "beta", "a", "b"))
+  entry = functools.partial(_entry, name=name, token_inputs=token_inputs, gates=gates,
+                            all_inputs=all_inputs)
+
+  def identity_like(query, key, value):
+    p = checks.prepare_qkv(query, key, value, fn="init_gated_state")
+    return identity(p.key, p.value)
+
   recurrence.register_recurrent(
-      name, function=entry(function, key_at=1), reference=entry(reference, key_at=1),
-      init=_init_like,
-      identity=functools.partial(_identity_like, delta=delta, per_feature=per_feature),
+      name, family=family, function=entry(function, key_at=1),
+      reference=entry(reference, key_at=1), init=init_like, identity=identity_like,
       step=entry(step, key_at=2), summarize=entry(summarize, key_at=0),
-      implementations=DELTA_IMPLEMENTATIONS if delta else GATED_IMPLEMENTATIONS,
-      noncausal_only=frozenset(), supports_noncausal=False, extra_inputs=inputs,
-      combine=combine_gated)
+      token_inputs=token_inputs, combine=combine)
+
+
+def _register_gla(name: str, token_inputs: tuple[TokenInput, ...], gates: Any = None) -> None:
+  per_feature = any(x.per_feature for x in token_inputs)
+  register_matrix(name, family=GLAFamily(), function=gated_linear_attention,
+                  reference=gated_linear_attention_reference, step=gated_linear_attention_step,
+                  summarize=_gated_summarize,
+                  identity=functools.partial(_identity, per_feature=per_feature),
+                  combine=combine_gated, token_inputs=token_inputs, gates=gates)
 
 
 # RetNet: a fixed decay per head, no gate inputs.
-_register("retention", delta=False, inputs=(),
-          gates=lambda key: {"log_decay": _fixed_log_decays(key)})
-_register("simple_gla", delta=False, inputs=(("log_decay", "[B, S, K]"),))
-_register("gla", delta=False, inputs=(("log_decay", "[B, S, K, H]"),), per_feature=True)
-_register("delta_net", delta=True, inputs=(("beta", "[B, S, K]"),))
-_register("gated_delta_net", delta=True,
-          inputs=(("beta", "[B, S, K]"), ("log_decay", "[B, S, K]")))
+_register_gla("retention", (), gates=lambda key: {"log_decay": _fixed_log_decays(key)})
+_register_gla("simple_gla", (TokenInput("log_decay", Role.DECAY),))
+_register_gla("gla", (TokenInput("log_decay", Role.DECAY, per_feature=True),))

@@ -51,12 +51,11 @@ from jax.typing import ArrayLike
 
 from linattn_jax._src import checks, recurrence
 from linattn_jax._src import masks as masks_lib
+from linattn_jax._src.kernel import KernelFamily, combine_states, empty_carry, featurizing
 from linattn_jax._src.online_softmax import exponent_shift, logaddexp, logsumexp
-from linattn_jax._src.recurrence import DEFAULT_PER_FEATURE_CHUNK_SIZE as DEFAULT_CHUNK_SIZE
 
 # C of the log-value form's chunks: its own log-space bodies, chunk by chunk, keep the
 # per-feature forms' former default.
-LOG_CHUNK_SIZE = 32
 
 HeinsenImplementation = Literal["reference", "parallel", "scan", "associative_scan", "chunked"]
 IMPLEMENTATIONS: tuple[str, ...] = typing.get_args(HeinsenImplementation)
@@ -102,7 +101,9 @@ class _Exp:
     return jnp.ones(x.shape[:-1] + (1,), x.dtype), x
 
 
-_FAMILY = recurrence.Family(_Exp(), "kernel", HeinsenState, IMPLEMENTATIONS)
+# Its causal "parallel" is every position's prefix state at once (the paper's form).
+_FAMILY = KernelFamily(_Exp(), "kernel", HeinsenState, IMPLEMENTATIONS, form="per_feature",
+                       causal_parallel=True)
 
 
 # The log-value path: its own bodies on the core's chunk driver ---------------------------
@@ -141,22 +142,38 @@ def _log_causal(config, log_state: jax.Array, chunk: recurrence.Chunk):
 _LOG_BODIES = recurrence.Bodies(_log_causal, _log_absorb, _log_read)
 
 
-@functools.partial(jax.jit, static_argnames=("is_causal", "chunk"))
-def _log_space_attention(query, key, log_value, kv_len, *, is_causal: bool, chunk: int):
-  """Log-outputs ``[B, T, N, D]`` from validated ``[B, T, N, H]`` / ``[B, S, K, H]`` /
-  ``[B, S, K, D]`` arrays: log-numerators of the streams ``[log v | log 1]``, minus the
-  log-normaliser."""
-  p = checks.prepare_qkv(query, key, log_value, fn="log_heinsen_attention")
-  B, T, _, N, K, H, D = p.dims
-  dtype = checks.accumulation_dtype(query.dtype)
-  inputs = recurrence.featurize(p, functools.partial(_Exp(), ()), kv_len, dtype,
-                                fn="log_heinsen_attention")
-  inputs = inputs._replace(v=jnp.concatenate([inputs.v, jnp.zeros_like(inputs.v[..., :1])], -1))
-  empty = jnp.full_like(inputs.v, -jnp.inf, shape=(B, K, H, D + 1))  # log 0
-  log_num, _ = recurrence.run_chunks(_LOG_BODIES, None, empty, inputs, is_causal=is_causal,
-                                     chunk_size=chunk)  # [B, K, G, T, E]
-  out = log_num[..., :D] - exponent_shift(log_num[..., D:])
-  return out.transpose(0, 3, 1, 2, 4).reshape(B, T, N, D).astype(query.dtype)
+@dataclasses.dataclass(frozen=True)
+class _LogValues(recurrence.Family):
+  """:func:`log_heinsen_attention` on the entry pipeline: log-space bodies, log-values
+  ``[log v | log 1]`` (the last column accumulates the normaliser), no public state."""
+
+  implementations = LOG_IMPLEMENTATIONS
+
+  def chunk_form(self, token_inputs):
+    del token_inputs
+    return "log_value"
+
+  def default_implementation(self, is_causal):
+    del is_causal
+    return "chunked"
+
+  def start(self, chunk, state, params, inputs, p, options, *, fn):
+    del state, params, inputs, options, fn
+    chunk = featurizing(functools.partial(_Exp(), ()), chunk.v.dtype)(chunk)
+    chunk = chunk._replace(v=jnp.concatenate([chunk.v, jnp.zeros_like(chunk.v[..., :1])], -1))
+    d = p.dims  # The carry: log S [B, K, H, D + 1], from log 0.
+    return recurrence.Start(chunk, None, jnp.full_like(chunk.v, -jnp.inf,
+                                                       shape=(d.B, d.K, d.H, d.D + 1)))
+
+  def attend(self, carry, chunk, prepare, options):
+    whole = options.implementation == "parallel"
+    C = max(chunk.num_queries, chunk.num_keys) if whole else options.chunk_size
+    return recurrence.run_chunks(_LOG_BODIES, None, carry, chunk, is_causal=options.is_causal,
+                                 chunk_size=C, prepare=prepare)  # [B, K, G, T, E]
+
+  def finish(self, out, carry, state, chunk, options):
+    del carry, state, chunk, options
+    return out[..., :-1] - exponent_shift(out[..., -1:]), None
 
 
 @functools.partial(jax.jit, static_argnames=("is_causal", "log_space"))
@@ -252,7 +269,7 @@ def heinsen_attention(
     is_causal: bool = False,
     key_value_seq_lengths: Any = None,
     implementation: HeinsenImplementation | None = None,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: int | None = None,
     initial_state: HeinsenState | None = None,
     return_state: bool = False,
 ) -> jax.Array | tuple[jax.Array, HeinsenState]:
@@ -308,11 +325,6 @@ def heinsen_attention(
     Heinsen, "Softmax Attention with Constant Cost per Token", 2024.
   """
   fn = "heinsen_attention"
-  checks.check_choice(
-      implementation, name="implementation", choices=(None,) + IMPLEMENTATIONS, fn=fn)
-  if implementation == "parallel" and is_causal:  # Every position's prefix state at once.
-    T = jnp.shape(query)[-3] if jnp.ndim(query) >= 3 else 1  # Bad ranks are named later.
-    implementation, chunk_size = "associative_scan", max(T, 1)
   return recurrence.recurrent_attention(
       _FAMILY, query, key, value, is_causal=is_causal,
       key_value_seq_lengths=key_value_seq_lengths, eps=0.0, implementation=implementation,
@@ -329,7 +341,7 @@ def log_heinsen_attention(
     is_causal: bool = False,
     key_value_seq_lengths: Any = None,
     implementation: LogHeinsenImplementation | None = None,
-    chunk_size: int = LOG_CHUNK_SIZE,
+    chunk_size: int | None = None,
 ) -> jax.Array:
   """Heinsen's attention on log-values: ``log heinsen_attention(q, k, exp(log_value))``.
 
@@ -372,16 +384,13 @@ def log_heinsen_attention(
   fn = "log_heinsen_attention"
   checks.check_choice(
       implementation, name="implementation", choices=(None,) + LOG_IMPLEMENTATIONS, fn=fn)
-  chunk_size = checks.check_positive_int(chunk_size, name="chunk_size", fn=fn)
   if implementation == "reference":
     return _oracle(query, key, log_value, fn=fn, log_space=True, is_causal=is_causal,
                    key_value_seq_lengths=key_value_seq_lengths)
-  p = checks.prepare_qkv(query, key, log_value, fn=fn)
-  kv_len = checks.check_lengths(
-      p, fn=fn, key_value_seq_lengths=key_value_seq_lengths)["key_value_seq_lengths"]
-  chunk = max(p.dims.T, p.dims.S) if implementation == "parallel" else chunk_size
-  return p.restore(_log_space_attention(p.query, p.key, p.value, kv_len, is_causal=is_causal,
-                                        chunk=chunk))
+  return recurrence.recurrent_attention(
+      _LogValues(), query, key, log_value, is_causal=is_causal,
+      key_value_seq_lengths=key_value_seq_lengths, implementation=implementation,
+      chunk_size=chunk_size, initial_state=None, fn=fn)
 
 
 def init_heinsen_state(
@@ -415,7 +424,7 @@ def init_heinsen_state(
   B, K, H, D = checks.positive_sizes(
       batch=batch, num_kv_heads=num_kv_heads, head_dim=head_dim, value_dim=value_dim,
       fn="init_heinsen_state")
-  return HeinsenState(*recurrence.empty_carry(B, K, H, H, D, dtype))
+  return HeinsenState(*empty_carry(B, K, H, H, D, dtype))
 
 
 def heinsen_attention_step(
@@ -473,5 +482,5 @@ def _summarize(key: Any, value: Any, *, key_value_seq_lengths: Any = None) -> He
 # Causal "parallel" is the associative scan over every position, so no form is non-causal only.
 recurrence.register_recurrent(
     "heinsen", function=heinsen_attention, reference=heinsen_attention_reference,
-    init=_init_state_like, step=heinsen_attention_step, summarize=_summarize,
-    implementations=IMPLEMENTATIONS, noncausal_only=frozenset())
+    init=_init_state_like, step=heinsen_attention_step, summarize=_summarize, family=_FAMILY,
+    combine=combine_states)

@@ -50,12 +50,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from linattn_jax._src import checks, recurrence
+from linattn_jax._src import checks, kernel, recurrence
 from linattn_jax._src.feature_maps import FeatureMap, elu_plus_one, projected, relu
+from linattn_jax._src.kernel import DEFAULT_EPS
 from linattn_jax._src.masks import causal
-from linattn_jax._src.recurrence import DEFAULT_EPS
 from linattn_jax._src.registry import (
-    ParamSpec,
+  ParamSpec,
 )
 
 LinearImplementation = Literal["reference", "parallel", "scan", "associative_scan", "chunked"]
@@ -101,7 +101,7 @@ class ImpliedWeights(NamedTuple):
   normalizer: jax.Array  # [B, N, T]: Σ_j weights + eps.
 
 
-def kernel_weights(query: Any, key: Any, *, featurizer: recurrence.Featurizer, params: Any,
+def kernel_weights(query: Any, key: Any, *, featurizer: kernel.Featurizer, params: Any,
                    is_causal: bool, key_value_seq_lengths: Any, eps: float,
                    fn: str) -> ImpliedWeights:
   """The weights the core implies: ``out_t = Σ_j w_tj v_j / normalizer_t``.
@@ -116,13 +116,13 @@ def kernel_weights(query: Any, key: Any, *, featurizer: recurrence.Featurizer, p
   p = checks.prepare_qkv(query, key, key, fn=fn)  # Values play no part in the weights.
   (lengths,) = checks.check_lengths(p, fn=fn, key_value_seq_lengths=key_value_seq_lengths).values()
   dtype = checks.accumulation_dtype(p.query.dtype)
-  chunk = recurrence.featurize(p, functools.partial(featurizer, params), lengths, dtype, fn=fn)
+  chunk = kernel.featurize(p, functools.partial(featurizer, params), lengths, dtype, fn=fn)
   B, T, S, N, K, _, _ = p.dims
   visible = causal(T, S) if is_causal else None
-  empty = recurrence.empty_carry(B, K, chunk.fk.shape[-1], chunk.lk.shape[-1], 1, dtype)
-  config = recurrence.ReadConfig("kernel")
-  w, _ = recurrence.exact_weights(config, empty, chunk, visible)
-  magnitudes, _ = recurrence.exact_weights(
+  empty = kernel.empty_carry(B, K, chunk.fk.shape[-1], chunk.lk.shape[-1], 1, dtype)
+  config = kernel.ReadConfig("kernel")
+  w, _ = kernel.exact_weights(config, empty, chunk, visible)
+  magnitudes, _ = kernel.exact_weights(
       config, empty, chunk._replace(fq=jnp.abs(chunk.fq), fk=jnp.abs(chunk.fk)), visible)
   w, magnitudes = (x.reshape(B, N, T, S) for x in (w, magnitudes))  # Head n = k·G + g.
   out = ImpliedWeights(w, magnitudes, jnp.sum(w, axis=-1) + eps)
@@ -244,11 +244,15 @@ def linear_attention(
       fn="linear_attention")
 
 
+def _family(featurizer: kernel.Featurizer | None) -> kernel.KernelFamily:
+  return kernel.KernelFamily(featurizer, "kernel", LinearState, IMPLEMENTATIONS)
+
+
 def _linear_attention(query, key, value, *, feature_map, is_causal, key_value_seq_lengths, eps,
                       implementation, chunk_size, initial_state, return_state, fn: str):
   """:func:`linear_attention` and its reference, with errors naming ``fn``."""
   featurizer, arrays = _Plain.split(feature_map)
-  family = recurrence.Family(featurizer, "kernel", LinearState, IMPLEMENTATIONS)
+  family = _family(featurizer)
   return recurrence.recurrent_attention(
       family, query, key, value, arrays, is_causal=is_causal,
       key_value_seq_lengths=key_value_seq_lengths, eps=eps, implementation=implementation,
@@ -451,8 +455,8 @@ def _register(name: str, feature_map: FeatureMap | None = None,
 
   recurrence.register_recurrent(
       name, function=linear_attention, reference=linear_attention_reference, init=_init_like,
-      step=linear_attention_step, summarize=_summarize, implementations=IMPLEMENTATIONS,
-      weights=_weights, params=params, bind=bind)
+      step=linear_attention_step, summarize=_summarize, family=_family(None),
+      combine=kernel.combine_states, weights=_weights, params=params, bind=bind)
 
 
 _register("linear_elu", elu_plus_one)

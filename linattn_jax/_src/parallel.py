@@ -85,7 +85,7 @@ def recurrent_attentions() -> list[str]:
   ``[B, K, M, D]`` and its normaliser) whose ``combine`` is associative, so
   devices exchange states, not keys. Exact softmax runs with
   :func:`ring_attention` instead. The gated and delta-rule recurrences are
-  here too: their per-token inputs (``AttentionSpec.extra_inputs``) are split
+  here too: their per-token inputs (``AttentionSpec.token_inputs``) are split
   along T with the keys.
 
   Returns:
@@ -231,7 +231,7 @@ def _per_token(spec: Any, inputs: dict[str, Any], p: checks.Prepared, key_shape:
                *, fn: str) -> dict[str, jax.Array]:
   """``spec``'s per-token inputs, each checked against its declared shape (e.g.
   ``[B, S, K]``; without B for unbatched keys) and batched."""
-  checked = spec.check_extra_inputs(inputs, key_shape, fn=fn)
+  checked = spec.check_token_inputs(inputs, key_shape, fn=fn)
   return {name: jnp.asarray(x) if p.batched else jnp.asarray(x)[None]
           for name, x in checked.items()}
 
@@ -294,7 +294,7 @@ def context_parallel_attention(
     key_value_seq_lengths: optional ``[B]`` ints; keys at or past it are hidden.
     **options: the variant's options, as for ``get_attention`` (arrays such
       as a ``projection`` are replicated to every device), and its per-token
-      inputs by the names of ``AttentionSpec.extra_inputs`` (gates, betas,
+      inputs by the names of ``AttentionSpec.token_inputs`` (gates, betas,
       e.g. ``log_decay [B, T, K]``, ``beta [B, T, K]``): split along T with
       the keys, each device summarising with its own.
 
@@ -345,14 +345,14 @@ def context_parallel_attention(
   for name in _RESERVED:
     if name in options:
       raise ValueError(f"{fn}: `{name}` is set by context parallelism, not an option.")
-  inputs = {name: options.pop(name) for name, _ in spec.extra_inputs if name in options}
+  inputs = {x.name: options.pop(x.name) for x in spec.token_inputs if x.name in options}
   spec.build(**options)  # Unknown or missing options fail here.
   is_causal = checks.check_static_bool(is_causal, name="is_causal", fn=fn)
   if not is_causal and not spec.supports_noncausal:
     raise ValueError(f"{fn}: attention={attention!r} supports is_causal=True only.")
-  missing = [name for name, _ in spec.extra_inputs if name not in inputs]
+  missing = [x.name for x in spec.token_inputs if x.name not in inputs]
   if missing:
-    needs = ", ".join(f"{name} {shape}" for name, shape in spec.extra_inputs)
+    needs = ", ".join(f"{x.name} {x.layout}" for x in spec.token_inputs)
     raise ValueError(f"{fn}: attention={attention!r} needs the per-token input(s) {needs} "
                      f"as keyword arguments; missing {missing}.")
   _axis_size(mesh, axis_name, fn)

@@ -38,21 +38,21 @@ from jax.typing import ArrayLike
 
 from linattn_jax._src import checks, recurrence
 from linattn_jax._src.feature_maps import (
-    check_projection,
-    favor_plus,
-    orthogonal_random_projection,
-    random_fourier,
+  check_projection,
+  favor_plus,
+  orthogonal_random_projection,
+  random_fourier,
 )
+from linattn_jax._src.kernel import DEFAULT_EPS, Featurizer, KernelFamily, combine_states
 from linattn_jax._src.linear import (
-    IMPLEMENTATIONS,
-    ImpliedWeights,
-    LinearImplementation,
-    feature_dim,
-    kernel_weights,
+  IMPLEMENTATIONS,
+  ImpliedWeights,
+  LinearImplementation,
+  feature_dim,
+  kernel_weights,
 )
-from linattn_jax._src.recurrence import DEFAULT_EPS
 from linattn_jax._src.registry import (
-    ParamSpec,
+  ParamSpec,
 )
 
 KERNELS = {"positive": favor_plus, "trig": random_fourier}
@@ -189,13 +189,17 @@ def performer_attention(
       return_state=return_state, fn="performer_attention")
 
 
+def _family(featurizer: Featurizer | None) -> KernelFamily:
+  return KernelFamily(featurizer, "kernel", PerformerState, IMPLEMENTATIONS,
+                             form="random_features")
+
+
 def _performer_attention(query, key, value, *, projection, is_causal, key_value_seq_lengths,
                          kernel, eps, implementation, chunk_size, initial_state, return_state,
                          fn: str):
   """:func:`performer_attention` and its reference, with errors naming ``fn``."""
   check_projection(projection, query_shape=jnp.shape(query), fn=fn)
-  family = recurrence.Family(_LogScaled(_check_kernel(kernel, fn)), "kernel", PerformerState,
-                             IMPLEMENTATIONS, chunk_form="random_features")
+  family = _family(_LogScaled(_check_kernel(kernel, fn)))
   return recurrence.recurrent_attention(
       family, query, key, value, projection, is_causal=is_causal,
       key_value_seq_lengths=key_value_seq_lengths, eps=eps, implementation=implementation,
@@ -399,7 +403,8 @@ def _register(name: str, kernel: str) -> None:
   recurrence.register_recurrent(
       name, function=performer_attention, reference=performer_attention_reference,
       init=_init_like, step=performer_attention_step, summarize=_summarize,
-      implementations=IMPLEMENTATIONS, weights=_weights, params=arrays, bind=bind)
+      family=_family(None), combine=combine_states, weights=_weights, params=arrays,
+      bind=bind)
 
 
 _register("performer", "positive")

@@ -1,77 +1,36 @@
-"""The recurrent core of linear, Performer, Shen's efficient and Heinsen's attention.
+"""The one entry pipeline and the one chunk driver of every recurrent variant.
 
-These families are one computation. Per key/value head, the keys j a query
-sees fold into a fixed-size state::
+Linear attention (any feature map), Performer, Shen's efficient attention,
+Heinsen's attention (and its log-value form), the gated recurrences and the
+delta rule are one computation with different maths: keys and values fold
+into a fixed-size state, queries read it. Each family says what differs in
+its :class:`Family` (how the inputs become a :class:`Chunk`, its carry and
+public state, its chunk bodies); everything around that lives here once:
 
-    kv = Σ_j exp(ℓ_j - μ) φ(k_j) v_jᵀ   [M, D]       k_sum = Σ_j exp(ℓ_j - μ) φ(k_j)   [M]
+- :func:`recurrent_attention`, the entry every public function calls: the
+  static options (``is_causal``, ``implementation``, ``chunk_size``, ``eps``,
+  ``scale``) are checked, then one jitted program checks the arrays, the
+  per-token inputs and the state, lays the arrays out, runs the family and
+  restores the public layout;
+- :func:`run_chunks`, the chunk driver: it aligns T and S, pads, cuts the
+  inputs into chunks of C positions and scans a ``jax.checkpoint``-ed body
+  over them, so the backward pass keeps one carry per chunk; a family's
+  ``prepare`` (its feature map) runs inside that body, on one chunk at a time;
+- :func:`scan_tokens`, the token recurrence every ``"scan"`` form runs;
+- :func:`one_token_step` and :func:`summarize_keys`, the decoding step and the
+  summary of a span, both from the public function.
 
-where ``φ(k_j) [M]`` are the key's features, ``ℓ_j`` its log-scale (a
-stabiliser: the sums stand for ``Σ_j exp(ℓ_j) φ(k_j) v_jᵀ``) and
-``μ = max_j ℓ_j`` the **running max**, the unit in which the state is kept.
-The log-scale has one of two shapes, M' below:
+Causal attention is bottom-right aligned (query t sees keys ``j <= t + S - T``;
+see ``masks.causal``) for every family.
 
-- M' = 1, a scalar per key: 0 for plain maps (elu + 1, ReLU), the row
-  maximum of FAVOR+'s exponents;
-- M' = M, one per feature: Heinsen's ``exp(k_h)`` is ``φ = 1, ℓ = k``, and
-  Shen's key softmax over positions is one online softmax per feature.
-
-A key that raises the running max rescales the state by ``exp(μ_old - μ_new)``
-(as in an online softmax), so nothing overflows, and since ``μ`` is a max over
-the keys a query sees, no output depends on a later key, not even through the
-stabiliser. Two states of consecutive spans combine associatively
-(:func:`combine`: rescale both to the larger running max and add), which is
-what chunked scans, state passing and context parallelism rely on.
-
-A query reads a state in one of two ways (``read``):
-
-- ``"kernel"`` (linear, Performer, Heinsen): with the query's features
-  ``φ(q)`` and log-scale ``ℓ_q``,
-  ``out = Σ_h c_h kv_h / (Σ_h c_h k_sum_h + eps)`` where
-  ``c_h = φ(q)_h exp(ℓ_q,h + μ_h - max_h'(ℓ_q,h' + μ_h'))``. The per-query
-  shift cancels in the ratio; ``eps`` is added in its units.
-- ``"per_feature"`` (Shen): ``out = Σ_h φ(q)_h kv_h / k_sum_h``, a softmax
-  over keys per feature h, mixed by the query's weights.
-
-Causal attention (query t sees keys ``j <= t + S - T``, bottom-right
-aligned; see ``masks.causal``) runs through :func:`run_chunks`, the one chunk
-driver of the toolkit: it aligns T and S, pads, cuts the inputs (a
-:class:`Chunk`) into chunks of C positions and scans a ``jax.checkpoint``-ed
-body over them, so the backward pass keeps one state per chunk. The feature
-map runs inside that body, on one chunk at a time (``prepare``): the
-``[T, M]`` features of a whole sequence, and their cotangents, never exist,
-and the backward pass recomputes a chunk's features where it needs them.
-For Performer (M = 4H) that took forward + backward from 1.09-1.16 s to
-0.67-0.75 s and its compiled temporaries from 578 to 151 MiB (causal,
-T = 8192, 8 heads of 64, M = 256, CPU). A recurrence
-plugs in three functions (:class:`Bodies`): a causal body ``(config, carry,
-chunk) -> (carry, out)``, an absorb of keys every query sees, and a read of
-queries that see only the state. Heinsen's log-value attention brings its own
-log-space bodies; gated and delta-rule recurrences bring theirs (their carry
-and per-key ``gates``), on the same driver.
-
-Within a chunk, the ``"chunked"`` body forms the masked ``[C, C]``
-matrix of query-key weights. With a per-feature log-scale each query has its
-own running max per feature; the chunk's keys are measured against the
-running max at its first position instead (one ``exp`` per key and feature,
-then matrix products), which is exact for every row whose running max stays
-within ``MAX_RISE`` of it; only rows that climb further (keys of wildly
-different sizes) are recomputed per query (``[C, C, M]`` exponentials). Each
-row's value depends on its own past only, bit for bit. These per-feature
-forms run every chunk at once (:func:`_blocks_at_once`): only the states
-are scanned, from the chunks' summaries, and every chunk then reads its own
-in batched products (faster on CPU, for more memory: README, "Support
-matrix").
-
-Internal layout: query features ``[B, K, G, T, M|1]`` and log-scales
-``[B, K, G, T, M'|1]``; key features ``[B, K, S, M|1]`` and log-scales
-``[B, K, S, M']``; values ``[B, K, S, D]``: grouped queries share their
-key/value head's state. A size-1 feature axis broadcasts (Heinsen's φ = 1).
+Internal layout: queries ``[B, K, G, T, ·]`` (grouped query heads share their
+key/value head's state), keys and per-token inputs ``[B, K, S, ·]``, values
+``[B, K, S, D]``.
 
 References:
   Katharopoulos et al., "Transformers are RNNs", 2020 (the recurrent form).
   Yang et al., "Gated Linear Attention Transformers with Hardware-Efficient
   Training", 2024 (chunkwise-parallel form).
-  Milakov & Gimelshein, "Online normalizer calculation for softmax", 2018.
 """
 
 from __future__ import annotations
@@ -87,76 +46,40 @@ import jax.numpy as jnp
 from jax import lax
 
 from linattn_jax._src import checks
-from linattn_jax._src.blocks import merge_blocks, pad_axis, prefix_sums, split_blocks
-from linattn_jax._src.masks import causal, length_predicate
-from linattn_jax._src.online_softmax import divide_rows, exponent_shift, safe_divide
-from linattn_jax._src.registry import AttentionSpec, ParamSpec, StreamingSpec, register_attention
+from linattn_jax._src.blocks import merge_blocks, pad_axis, split_blocks
+from linattn_jax._src.masks import length_predicate
+from linattn_jax._src.registry import (
+    AttentionSpec,
+    ParamSpec,
+    StreamingSpec,
+    TokenInput,
+    register_attention,
+)
 
-Read = Literal["kernel", "per_feature"]
 # The chunked forms whose default C differs: kernel reads (and the per-head gated and
 # delta-rule forms), kernel reads of random features (Performer: M = 4H and more, the
 # feature projection runs in the chunk body), per-feature reads (Shen, Heinsen), and
-# GLA's decay per key feature.
-ChunkForm = Literal["kernel", "random_features", "per_feature", "gla"]
+# GLA's decay per key feature; Heinsen's log-values.
+ChunkForm = Literal["kernel", "random_features", "per_feature", "gla", "log_value"]
 # C of a form's chunked implementation when ``chunk_size=None``, by
-# ``jax.default_backend()`` (None: any other backend, TPU included, unmeasured).
-# CPU (2 cores, causal, float32, B = 1, 8 heads of 64, T = 8192, forward+backward):
-# linear_elu is fastest at C = 64 (230, 249 ms against 269-348 at 128); GLA's
-# recursive halving at 128 (307, 319 ms against 396-455 at 64 and 377 at 256).
-# Per-feature log-scales (Shen, Heinsen: every chunk at once, _blocks_at_once), causal
-# forward+backward at T = 8192 with 4 heads of 64, two runs: Shen 202-206 / 179-192 /
-# 187-203 ms and Heinsen 243-246 / 235-237 / 236-241 ms at C = 32 / 64 / 128; 64 also
-# needs the least memory. Random features (Performer, M = 256): inside the model-step
-# benchmark (T = 2048 / 8192, two runs) C = 128 took performer from 1.90, 1.85 / 1.79, 1.79x
-# the identity model at C = 64 to 1.82, 1.73 / 1.73, 1.75x, and random_fourier from 3.26,
-# 3.17 / 3.13, 3.10x to 3.18, 3.17 / 2.91, 2.88x; a larger chunk feeds more rows to each
-# projection. GPU (H100, T = 16384, forward+backward): linear_elu 14.4 / 8.4 /
-# 5.1 ms, gla 23.1 / 13.4 / 8.9 ms and gated_delta_net 38.6 / 27.7 / 21.2 ms at C = 64 /
-# 128 / 256. GPU (H200, performer / random_fourier, M = 256, 4 heads, T = 8192,
-# forward+backward, two runs): 4.96, 4.98 / 5.99, 6.16 ms at C = 256 against 4.39, 4.07 /
-# 5.51, 5.23 at 512 (6.8 / 7.9 at 128, one run), with 92 against 52 MiB for performer.
-# README, "Chunk size".
+# ``jax.default_backend()`` (None: any other backend, TPU included, unmeasured); each the
+# fastest measured (docs/benchmarks.md, "Chunk size").
 _DEFAULT_CHUNK_SIZES: dict[str, dict[str | None, int]] = {
     "kernel": {"gpu": 256, None: 64},
     "random_features": {"gpu": 512, None: 128},
     "per_feature": {None: 64},
     "gla": {"gpu": 256, None: 128},
+    "log_value": {None: 32},
 }
-DEFAULT_PER_FEATURE_CHUNK_SIZE = _DEFAULT_CHUNK_SIZES["per_feature"][None]
-DEFAULT_EPS = 1e-6
-# A row whose per-feature running max climbs more than this above the chunk's
-# first is computed per query: measured against the first, its keys' terms
-# would reach exp(MAX_RISE) (and exp(88) overflows float32).
-MAX_RISE = 40.0
-
-
-class Carry(NamedTuple):
-  """The core's state per key/value head (accumulation dtype)."""
-
-  kv: jax.Array  # [B, K, M, D]: Σ_j exp(ℓ_j - running_max) φ(k_j) v_jᵀ.
-  k_sum: jax.Array  # [B, K, M]: Σ_j exp(ℓ_j - running_max) φ(k_j).
-  running_max: jax.Array  # [B, K, M']: max of the keys' ℓ_j seen so far (-inf: none).
-
-
-def empty_carry(B: int, K: int, M: int, M_log: int, D: int, dtype: Any, *,
-                like: jax.Array | None = None) -> Carry:
-  """The state of no keys: zero sums, running max ``-inf``.
-
-  ``like``: an input it is built from (``*_like``), so that inside ``shard_map`` it
-  varies over the same devices as the inputs and a scan carrying it keeps one type.
-  """
-  like = jnp.zeros((), dtype) if like is None else like
-  return Carry(jnp.zeros_like(like, dtype, shape=(B, K, M, D)),
-               jnp.zeros_like(like, dtype, shape=(B, K, M)),
-               jnp.full_like(like, -jnp.inf, dtype, shape=(B, K, M_log)))
 
 
 class Chunk(NamedTuple):
-  """A span of featurised queries and keys in the internal layout.
+  """A span of queries and keys in the internal layout.
 
-  Before featurisation (:func:`inputs`) ``fq`` / ``fk`` hold the queries and
-  keys themselves, ``lk [B, K, S, 1]`` is 0 or -inf (a hidden key) and ``lq``
-  is None; :func:`featurizing` maps a span of that to the featurised fields.
+  As :func:`layout` makes it, ``fq`` / ``fk`` hold the queries and keys
+  themselves, ``lk [B, K, S, 1]`` is 0 or -inf (a hidden key) and ``lq`` is
+  None; a kernel family's feature map (its ``prepare``) maps a span of that to
+  features and log-scales.
 
   The query fields have their positions on axis 3, the key fields on axis 2.
   A body that reads only queries gets None for the key fields and the other
@@ -210,13 +133,23 @@ class Chunk(NamedTuple):
     return self.pad_keys(multiple=C).map(lambda x, axis: split_blocks(x, axis, C))
 
 
-@dataclasses.dataclass(frozen=True)
-class ReadConfig:
-  """How queries read the state (see the module docstring); static."""
+def layout(p: checks.Prepared, lengths: Any, dtype: Any) -> Chunk:
+  """The arrays in the internal layout: ``fq [B, K, G, T, H]`` / ``fk [B, K, S, H]`` hold
+  q / k, ``v [B, K, S, D]``, ``lk [B, K, S, 1]`` is 0 for keys and -inf for padded ones
+  (k = v = 0 there), ``lq`` None."""
+  d = p.dims
+  q = p.query.astype(dtype).reshape(d.B, d.T, d.K, d.G, d.H).transpose(0, 2, 3, 1, 4)
+  k = p.key.astype(dtype).transpose(0, 2, 1, 3)  # [B, K, S, H]
+  v = p.value.astype(dtype).transpose(0, 2, 1, 3)  # [B, K, S, D]
+  valid = length_predicate(jnp.arange(d.S), lengths)[:, None, :, None]  # [B|1, 1, S, 1]
+  hidden = jnp.broadcast_to(jnp.where(valid, 0, -jnp.inf).astype(dtype), (d.B, d.K, d.S, 1))
+  return Chunk(q, None, jnp.where(valid, k, 0), hidden, jnp.where(valid, v, 0))
 
-  read: Read = "kernel"
-  eps: float = 0.0
 
+def hide_padded(chunk: Chunk, x: jax.Array) -> jax.Array:
+  """``x [B, K, S, ·]`` with 0 at padded keys (``lk = -inf``): a per-token input there is
+  an identity step (no decay, no write)."""
+  return jnp.where(chunk.lk == -jnp.inf, 0, x)
 
 # A body: (config, carry, chunk) -> (carry, out); an absorb: (config, carry, chunk) -> carry;
 # a read: (config, carry, chunk) -> out. See run_chunks.
@@ -290,291 +223,14 @@ def run_chunks(bodies: Bodies, config: Any, carry: Any, chunk: Chunk, *, is_caus
   return merge_blocks(out, 3, T), carry
 
 
-# State algebra ------------------------------------------------------------------
-
-
-def summarize(chunk: Chunk) -> Carry:
-  """The state of a chunk's S keys."""
-  m = jnp.max(lax.stop_gradient(chunk.lk), axis=-2)
-  scale = jnp.exp(chunk.lk - exponent_shift(m)[..., None, :])  # [..., S, M']
-  # One log-scale per key: an einsum, so that the gradient for the scale is a batched
-  # product, not a reduction over M (XLA:CPU's slow path; see divide_rows).
-  if scale.shape[-1] == 1:
-    e = jnp.einsum("...sm,...s->...sm", chunk.fk, scale[..., 0])
-  else:
-    e = chunk.fk * scale  # [..., S, M]
-  return Carry(jnp.einsum("...sm,...sd->...md", e, chunk.v), jnp.sum(e, axis=-2), m)
-
-
-def combine(earlier: Carry, later: Carry) -> Carry:
-  """The state of ``earlier``'s keys followed by ``later``'s (associative; shapes broadcast)."""
-  m = lax.stop_gradient(jnp.maximum(earlier.running_max, later.running_max))
-  shift = exponent_shift(m)
-  wa, wb = jnp.exp(earlier.running_max - shift), jnp.exp(later.running_max - shift)
-  return Carry(wa[..., None] * earlier.kv + wb[..., None] * later.kv,
-               wa * earlier.k_sum + wb * later.k_sum, m)
-
-
-def _absorb(config: ReadConfig, carry: Carry, chunk: Chunk) -> Carry:
-  del config
-  return combine(carry, summarize(chunk))
-
-
-# Reading states -----------------------------------------------------------------
-
-
-def _coefficients(read: Read, fq, lq, units, running_max, den):
-  """Query t's weight on feature h of a state kept in units ``exp(units)``.
-
-  ``"kernel"``: ``φ(q)_h exp(ℓ_q,h + units_h - c_t)`` with the per-query shift
-  ``c_t = max_h(ℓ_q,h + running_max_h)`` (it cancels; features not yet seen,
-  ``units = -inf``, get 0). ``"per_feature"``: ``φ(q)_h / den_h`` (0 where
-  ``den = 0``). Arguments broadcast against ``fq [..., T, M|1]``.
-  """
-  if read == "per_feature":
-    return safe_divide(fq, den)
-  if lq.shape[-1] == 1 and running_max.shape[-1] == 1:
-    return fq  # Scalar log-scales: the shift is exactly ℓ_q + running_max, exp(0) = 1.
-  c = lax.stop_gradient(exponent_shift(jnp.max(lq + running_max, axis=-1, keepdims=True)))
-  return fq * jnp.exp(lq + units - c)
-
-
-def _finish(config: ReadConfig, num, den):
-  """``num / (den + eps)`` for a kernel read (0 where that is 0); a per-feature read is done."""
-  if config.read == "per_feature":
-    return num
-  return divide_rows(num, den + config.eps)
-
-
-def readout(config: ReadConfig, carry: Carry, chunk: Chunk) -> jax.Array:
-  """The chunk's queries ``[B, K, G, T, ·]`` read one state ``[B, K, ...]`` or one per
-  query ``[B, K, T, ...]``."""
-  per_query = carry.kv.ndim == 5
-  lift = (lambda x: x[:, :, None]) if per_query else (lambda x: x[:, :, None, None])
-  m, k_sum = lift(carry.running_max), lift(carry.k_sum)
-  coef = _coefficients(config.read, chunk.fq, chunk.lq, m, m, k_sum)
-  num = jnp.einsum("bkgtm,bktmd->bkgtd" if per_query else "bkgtm,bkmd->bkgtd", coef, carry.kv)
-  return _finish(config, num, jnp.sum(coef * k_sum, axis=-1))
-
-
-def exact_weights(config: ReadConfig, carry: Carry, chunk: Chunk, visible: jax.Array | None):
-  """Each query's weights in the units of its own running max: ``(a, cw)``.
-
-  ``a [B, K, G, T, S]`` weighs the keys (exact zeros where ``visible [T, S]``
-  hides them; None: all visible) and ``cw [B, K, G, T, M]`` the state's
-  features, so that ``num = a v + cw kv`` and, for a kernel read,
-  ``den = Σ_j a + cw·k_sum``.
-  Per-feature log-scales form ``[T, S, M]`` exponentials: use on chunks.
-  """
-  fq, lq, fk = chunk.fq, chunk.lq, chunk.fk
-  lk = chunk.lk[:, :, None]  # [B, K, 1, S, M']
-  if visible is not None:
-    lk = jnp.where(visible[..., None], lk, -jnp.inf)  # [B, K, T, S, M']
-  state_max = carry.running_max[:, :, None]  # [B, K, 1, M']
-  m = jnp.maximum(state_max, jnp.max(lax.stop_gradient(lk), axis=-2))  # [B, K, T|1, M']
-  shift = lax.stop_gradient(exponent_shift(m))
-  e = jnp.exp(lk - shift[..., None, :])  # [B, K, T|1, S, M']; 0 where hidden.
-  w = jnp.exp(state_max - shift)[:, :, None]  # [B, K, 1, T|1, M']: the state's weight.
-  k_sum = carry.k_sum[:, :, None, None]  # [B, K, 1, 1, M]
-  coefficients = functools.partial(_coefficients, config.read, fq, lq, m[:, :, None],
-                                   m[:, :, None])
-  if lk.shape[-1] == 1:  # One log-scale per key: weight = (φ(q)·φ(k)) exp(ℓ_k - m_t).
-    e = e[..., 0][:, :, None]  # [B, K, 1, T|1, S]
-    coef = coefficients(w * k_sum + jnp.einsum("bkgts,bksm->bkgtm", e, fk))
-    a = jnp.einsum("bkgtm,bksm->bkgts", coef, fk)
-    a = jnp.where(e > 0, a * e, 0)  # Hidden keys: exact zeros, even where φ(q)·φ(k) = inf.
-  else:  # One log-scale per feature: weight = Σ_h coef_h φ(k)_h exp(ℓ_k,h - m_t,h).
-    p = fk[:, :, None] * e  # [B, K, T|1, S, M]
-    coef = coefficients(w * k_sum + jnp.sum(p, axis=-2)[:, :, None])
-    if p.shape[2] == 1:  # No mask: every query has the same keys.
-      a = jnp.einsum("bkgtm,bksm->bkgts", coef, p[:, :, 0])
-    else:
-      a = jnp.einsum("bkgtm,bktsm->bkgts", coef, p)
-  return a, coef * w
-
-
-def _exact_block(config: ReadConfig, carry: Carry, chunk: Chunk,
-                 visible: jax.Array | None) -> jax.Array:
-  """Queries against the state plus keys ``visible [T, S]``, by :func:`exact_weights`."""
-  a, cw = exact_weights(config, carry, chunk, visible)
-  num = (jnp.einsum("bkgts,bksd->bkgtd", a, chunk.v)
-         + jnp.einsum("bkgtm,bkmd->bkgtd", cw, carry.kv))
-  den = jnp.sum(a, axis=-1) + jnp.einsum("bkgtm,bkm->bkgt", cw, carry.k_sum)
-  return _finish(config, num, den)
-
-
-def _chunk_block(config: ReadConfig, carry: Carry, chunk: Chunk):
-  """C aligned causal queries against the state and C keys, per-feature log-scales.
-
-  Every key and the state are measured against ``R``, the running max at
-  the chunk's first position (which every query of the chunk sees, so ``R``
-  is causal): ``e_j = φ(k_j) exp(ℓ_j - R)``, and query t's coefficient
-  carries ``exp(R - c_t)``; one exponential per key and feature, then matrix
-  products. Exact for the rows whose running max stays within ``MAX_RISE``
-  of ``R``; returns ``(out, needs_exact [B, K, C])`` marking the others.
-  """
-  lk = chunk.lk
-  C = lk.shape[2]
-  state_max = carry.running_max  # [B, K, M]
-  R = jnp.maximum(state_max, lax.stop_gradient(lk[:, :, 0]))  # [B, K, M]
-  shift = exponent_shift(R)
-  # Key j's climb above R (+inf where a feature starts empty); a row needs the exact form
-  # once any key up to it climbed past MAX_RISE.
-  climb = jnp.max(jnp.where(lk == -jnp.inf, -jnp.inf, lax.stop_gradient(lk) - R[:, :, None]),
-                  axis=-1)  # [B, K, C]
-  needs_exact = lax.cummax(climb, axis=2) > MAX_RISE  # [B, K, C]
-  # Keys past a row's reach are capped: only rows that need the exact form could see them.
-  x = lk - shift[:, :, None]
-  e = chunk.fk * jnp.exp(jnp.where(x <= MAX_RISE, x, MAX_RISE))  # [B, K, C, M]
-  w = jnp.exp(state_max - shift)  # [B, K, M], <= 1.
-  den = (w * carry.k_sum)[:, :, None] + prefix_sums(e, 2)  # [B, K, C, M], units exp(R).
-  # A kernel read's per-row shift cancels without eps (attend admits none here): R, which
-  # keeps every term within exp(MAX_RISE), serves for all rows.
-  coef = _coefficients(config.read, chunk.fq, chunk.lq, R[:, :, None, None], R[:, :, None, None],
-                       den[:, :, None])
-  # Rows left to the exact form read nothing here (zeros, zero gradients, never inf).
-  coef = jnp.where(needs_exact[:, :, None, :, None], 0, coef)
-  a = jnp.where(jnp.tril(jnp.ones((C, C), bool)), jnp.einsum("bkgim,bkjm->bkgij", coef, e), 0)
-  num = (jnp.einsum("bkgij,bkjd->bkgid", a, chunk.v)
-         + jnp.einsum("bkgim,bkmd->bkgid", coef * w[:, :, None, None], carry.kv))
-  out = _finish(config, num, jnp.einsum("bkgim,bkim->bkgi", coef, den))
-  return out, needs_exact
-
-
-# Causal bodies of the implementations: (config, carry, chunk) -> (carry, out).
-
-
-def _chunk_masked(config: ReadConfig, carry: Carry, chunk: Chunk):
-  """The masked ``[C, C]`` weights of one chunk (:func:`_exact_block`). With per-feature
-  log-scales this forms ``[C, C, M]`` exponentials: :func:`attend` runs those through
-  :func:`_blocks_at_once` instead."""
-  out = _exact_block(config, carry, chunk, causal(chunk.num_keys))
-  return combine(carry, summarize(chunk)), out
-
-
-def _per_token(chunk: Chunk) -> Carry:
-  """One state per key: fields ``[B, K, C, ...]``."""
-  return summarize(chunk._replace(fk=chunk.fk[..., None, :], lk=chunk.lk[..., None, :],
-                                  v=chunk.v[..., None, :]))
-
-
-def _chunk_scan(config: ReadConfig, carry: Carry, chunk: Chunk):
-  def token(carry, token_chunk):  # The token recurrence: fields without the position axis.
-    carry = combine(carry, _per_token(token_chunk))
-    return carry, readout(config, carry, token_chunk._replace(
-        fq=token_chunk.fq[:, :, :, None], lq=token_chunk.lq[:, :, :, None]))[:, :, :, 0]
-
+def scan_tokens(token: Callable[[Any, Chunk], tuple[Any, jax.Array]], carry: Any,
+                chunk: Chunk) -> tuple[Any, jax.Array]:
+  """``token(carry, one) -> (carry, out [B, K, G, ·])`` over the chunk's aligned positions,
+  on ``lax.scan``: ``one`` is the chunk at one position (its fields without the position
+  axis). Returns the last carry and ``out [B, K, G, C, ·]``."""
   tokens = chunk.map(lambda x, axis: jnp.moveaxis(x, axis, 0))
   carry, out = lax.scan(token, carry, tokens)
   return carry, jnp.moveaxis(out, 0, 3)
-
-
-def _chunk_associative_scan(config: ReadConfig, carry: Carry, chunk: Chunk):
-  prefix = lax.associative_scan(combine, _per_token(chunk), axis=2)
-  states = combine(jax.tree.map(lambda x: x[:, :, None], carry), prefix)  # [B, K, C, ...]
-  return jax.tree.map(lambda x: x[:, :, -1], states), readout(config, states, chunk)
-
-
-def _fast_blocks(config: ReadConfig, starts: Carry, blocks: Chunk):
-  """:func:`_chunk_block` of every block against the state it starts from (fields with
-  the block index first): ``(out [n, B, K, G, C, D], needs_exact [n, B, K, C])``."""
-  return jax.vmap(functools.partial(_chunk_block, config))(starts, blocks)
-
-
-def _exact_blocks(config: ReadConfig, starts: Carry, blocks: Chunk) -> jax.Array:
-  """:func:`_exact_block` of every block, one block at a time (``[C, C, M]`` exponentials
-  for one block only, recomputed for the gradient)."""
-  mask = causal(blocks.lk.shape[3])  # [C, C]: blocks.lk is [n, B, K, C, M].
-  one = jax.checkpoint(lambda state, block: _exact_block(config, state, block, mask))
-  return lax.map(lambda args: one(*args), (starts, blocks))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _read_blocks(config: ReadConfig, starts: Carry, blocks: Chunk) -> jax.Array:
-  """Every block's output: :func:`_fast_blocks`, with :func:`_exact_blocks`' rows where
-  ``needs_exact``.
-
-  A custom gradient so that the rare exact rows cost nothing when there are none:
-  differentiated, a ``lax.cond`` keeps the residuals of both branches, and its
-  transpose writes zero cotangents for the operands the taken branch does not read
-  (every block's inputs and states, at each call). Here both conds run outside
-  differentiation. Reverse mode only (``jax.grad``, ``jax.vjp``).
-  """
-  return _read_blocks_fwd(config, starts, blocks)[0]
-
-
-def _read_blocks_fwd(config, starts, blocks):
-  out, fast_vjp, needs_exact = jax.vjp(
-      functools.partial(_fast_blocks, config), starts, blocks, has_aux=True)
-  rows = needs_exact[:, :, :, None, :, None]  # On out [n, B, K, G, C, D].
-  any_exact = jnp.any(needs_exact)
-  out = lax.cond(any_exact,
-                 lambda: jnp.where(rows, _exact_blocks(config, starts, blocks), out),
-                 lambda: out)
-  return out, (fast_vjp, starts, blocks, rows, any_exact)
-
-
-def _read_blocks_bwd(config, residuals, g):
-  fast_vjp, starts, blocks, rows, any_exact = residuals
-  cts = fast_vjp(jnp.where(rows, 0, g))
-
-  def with_exact_rows():
-    _, exact_vjp = jax.vjp(functools.partial(_exact_blocks, config), starts, blocks)
-    return jax.tree.map(jnp.add, cts, exact_vjp(jnp.where(rows, g, 0)))
-
-  return lax.cond(any_exact, with_exact_rows, lambda: cts)
-
-
-_read_blocks.defvjp(_read_blocks_fwd, _read_blocks_bwd)
-
-
-def _blocks_at_once(config: ReadConfig, carry: Carry, blocks: Chunk):
-  """The chunked form with per-feature log-scales, every block at once (fields
-  ``[n, B, K, ...]``): ``(final carry, out [n, B, K, G, C, D])``.
-
-  Only the states pass from block to block: a scan of :func:`combine` over the
-  blocks' summaries gives the state each block starts from, then every block
-  is read against its own at once (:func:`_read_blocks`: batched products
-  instead of n small ones in a loop).
-  """
-  def step(state, summary):
-    return combine(state, summary), state
-
-  final, starts = lax.scan(step, carry, jax.vmap(summarize)(blocks))
-  return final, _read_blocks(config, starts, blocks)
-
-
-CAUSAL_BODIES: Mapping[str, Body] = {
-    "scan": _chunk_scan,
-    "associative_scan": _chunk_associative_scan,
-    "chunked": _chunk_masked,
-}
-
-
-def attend(config: ReadConfig, carry: Carry, chunk: Chunk, *, is_causal: bool,
-           implementation: str, chunk_size: int,
-           prepare: Callable[[Chunk], Chunk] | None = None) -> tuple[jax.Array, Carry]:
-  """Output ``[B, K, G, T, D]`` and the final state, from a featurised chunk, or from
-  :func:`inputs` and their ``prepare`` (:func:`featurizing`), applied per chunk.
-
-  ``implementation``: ``"reference"`` (the masked ``[T, S]`` weights at
-  once), ``"parallel"`` (non-causal: one summary), or a causal body of
-  :data:`CAUSAL_BODIES`; without ``is_causal`` every form reads one summary.
-  """
-  if implementation == "reference":
-    chunk = chunk if prepare is None else prepare(chunk)
-    visible = causal(chunk.num_queries, chunk.num_keys) if is_causal else None
-    return _exact_block(config, carry, chunk, visible), _absorb(config, carry, chunk)
-  if not is_causal:  # One summary of every key, read by every query at once.
-    chunk_size = max(chunk.num_queries, chunk.num_keys)
-  bodies = Bodies(CAUSAL_BODIES[implementation] if is_causal else None, _absorb, readout)
-  if is_causal and implementation == "chunked" and carry.running_max.shape[-1] > 1:
-    if config.read == "kernel" and config.eps:
-      raise ValueError("the chunked form with per-feature log-scales reads a kernel state "
-                       f"without eps (Heinsen's); got eps={config.eps}.")
-    bodies = bodies._replace(causal_blocks=_blocks_at_once)
-  return run_chunks(bodies, config, carry, chunk, is_causal=is_causal, chunk_size=chunk_size,
-                    prepare=prepare)
 
 
 # State checks and the one-token step ----------------------------------------------
@@ -623,145 +279,6 @@ def one_token_step(attention: Callable[..., Any], state, query, key, value, **op
   return new, jnp.squeeze(out, -3)
 
 
-# The entry point every family calls ------------------------------------------------
-
-# featurizer(params, x [..., H], *, is_query) -> (features [..., M|1],
-# log-scale None | [...] | [..., M]); a hashable (static) object, its arrays in params.
-Featurizer = Callable[..., tuple[jax.Array, jax.Array | None]]
-
-
-def _log_scale(features: jax.Array, log_scale: jax.Array | None, dtype) -> jax.Array:
-  """A featurizer's log-scale with its trailing axis: ``[..., 1]`` or ``[..., M]``."""
-  if log_scale is None:
-    return jnp.zeros(features.shape[:-1] + (1,), dtype)
-  log_scale = log_scale.astype(dtype)
-  return log_scale if log_scale.ndim == features.ndim else log_scale[..., None]
-
-
-def inputs(p: checks.Prepared, lengths, dtype) -> Chunk:
-  """Queries, keys and values in the internal layout, not featurised: ``fq``/``fk`` hold q/k,
-  ``lk [B, K, S, 1]`` is 0 for keys and -inf for padded ones (k = v = 0 there), ``lq`` None."""
-  B, T, S, N, K, H, D = p.dims
-  q = p.query.astype(dtype).reshape(B, T, K, N // K, H).transpose(0, 2, 3, 1, 4)
-  k = p.key.astype(dtype).transpose(0, 2, 1, 3)  # [B, K, S, H]
-  v = p.value.astype(dtype).transpose(0, 2, 1, 3)  # [B, K, S, D]
-  valid = length_predicate(jnp.arange(S), lengths)[:, None, :, None]  # [B|1, 1, S, 1]
-  hidden = jnp.broadcast_to(jnp.where(valid, 0, -jnp.inf).astype(dtype), (B, K, S, 1))
-  return Chunk(q, None, jnp.where(valid, k, 0), hidden, jnp.where(valid, v, 0))
-
-
-def featurizing(featurizer: Callable[..., Any], dtype) -> Callable[[Chunk], Chunk]:
-  """``prepare(chunk)``: a span of :func:`inputs`, featurised (fields absent stay None;
-  hidden keys get lk = -inf, fk = 0). Row-wise, so a chunk's features are those of the
-  whole sequence's rows."""
-  def prepare(chunk: Chunk) -> Chunk:
-    fields = {}
-    if chunk.fq is not None:
-      fq, lq = featurizer(chunk.fq, is_query=True)
-      fq = fq.astype(dtype)
-      fields.update(fq=fq, lq=_log_scale(fq, lq, dtype))
-    if chunk.fk is not None:
-      fk, lk = featurizer(chunk.fk, is_query=False)
-      fk = fk.astype(dtype)
-      lk = _log_scale(fk, lk, dtype)
-      hidden = chunk.lk == -jnp.inf
-      fields.update(fk=jnp.where(hidden, 0, fk), lk=jnp.where(hidden, -jnp.inf, lk))
-    return chunk._replace(**fields)
-  return prepare
-
-
-def feature_sizes(chunk: Chunk, f: Chunk, *, fn: str) -> tuple[int, int]:
-  """``(M, M')`` of ``f``, the featurised ``chunk`` (or its shapes); a ValueError unless the
-  feature map keeps the leading axes and gives queries and keys one M."""
-  sizes = {x.shape[-1] for x in (f.fq, f.lq, f.fk, f.lk)} - {1}
-  if (f.fq.shape[:-1] != chunk.fq.shape[:-1] or f.fk.shape[:-1] != chunk.fk.shape[:-1]
-      or len(sizes) > 1 or f.lq.shape[:-1] != f.fq.shape[:-1]
-      or f.lk.shape[:-1] != f.fk.shape[:-1]):
-    raise ValueError(
-        f"{fn}: the feature map must map [..., H] to [..., M] with one M for queries and "
-        f"keys; got {chunk.fq.shape} -> {f.fq.shape} and {chunk.fk.shape} -> {f.fk.shape}."
-    )
-  return max(f.fk.shape[-1], f.lk.shape[-1]), f.lk.shape[-1]
-
-
-def featurize(p: checks.Prepared, featurizer: Callable[..., Any], lengths, dtype, *,
-              fn: str) -> Chunk:
-  """The featurised :class:`Chunk` of all positions; padded keys hidden (lk = -inf, fk = v = 0)."""
-  chunk = inputs(p, lengths, dtype)
-  featurised = featurizing(featurizer, dtype)(chunk)
-  feature_sizes(chunk, featurised, fn=fn)
-  return featurised
-
-
-def _state_fields(state_cls: type, lead: tuple[int, ...], K: int, M: int, M_log: int,
-                  D: int) -> dict[str, tuple[int, ...]]:
-  """The shapes of a public state's fields (``kv``, ``k_sum``, optional ``running_max``)."""
-  want = {"kv": lead + (K, M, D), "k_sum": lead + (K, M)}
-  if "running_max" in state_cls._fields:
-    want["running_max"] = lead + (K,) + ((M,) if M_log > 1 else ())
-  return want
-
-
-def as_carry(state) -> Carry:
-  """A public state (``kv``, ``k_sum`` and, for stabilised maps, ``running_max``) as a Carry.
-
-  ``running_max`` is per key (``[..., K]``) or per feature (``[..., K, M]``, the
-  shape of ``k_sum``); a state without one (plain maps) is in units of ``exp(0)``.
-  """
-  if "running_max" not in type(state)._fields:  # zeros_like: as device-varying as k_sum.
-    return Carry(state.kv, state.k_sum, jnp.zeros_like(jnp.asarray(state.k_sum)[..., :1]))
-  rm = jnp.asarray(state.running_max)
-  return Carry(state.kv, state.k_sum, rm if rm.ndim == jnp.ndim(state.k_sum) else rm[..., None])
-
-
-def from_carry(carry: Carry, state_cls: type):
-  """The public ``state_cls`` holding ``carry`` (inverse of :func:`as_carry`)."""
-  fields = {"kv": carry.kv, "k_sum": carry.k_sum}
-  if "running_max" in state_cls._fields:
-    rm = carry.running_max
-    fields["running_max"] = rm[..., 0] if rm.shape[-1] == 1 else rm
-  return state_cls(**fields)
-
-
-def _to_carry(state, state_cls: type, p: checks.Prepared, M: int, M_log: int, dtype, *,
-              fn: str) -> Carry:
-  B, _, _, _, K, _, D = p.dims
-  lead = (B,) if p.batched else ()
-  state = check_state(state, state_cls, _state_fields(state_cls, lead, K, M, M_log, D),
-                      dims=f"B={B}, K={K}, M={M}, D={D}" + ("" if p.batched else " (no B)"),
-                      what="initial_state", fn=fn)
-  carry = jax.tree.map(lambda x: jnp.asarray(x).astype(dtype), as_carry(state))
-  return carry if p.batched else jax.tree.map(lambda x: x[None], carry)
-
-
-def _from_carry(carry: Carry, state_cls: type, batched: bool):
-  state = from_carry(carry, state_cls)
-  return state if batched else jax.tree.map(lambda x: x[0], state)
-
-
-def combine_states(earlier: Any, later: Any) -> Any:
-  """The state of ``earlier``'s keys followed by ``later``'s, for any recurrent variant.
-
-  Associative: ``combine_states(combine_states(a, b), c) == combine_states(a,
-  combine_states(b, c))``, and combining the summaries of consecutive spans
-  equals the summary of their concatenation. Both must be states of one
-  variant with the same shapes.
-
-  Raises:
-    ValueError: for states of different types, or a field whose shapes differ.
-  """
-  cls = type(earlier)
-  if type(later) is not cls or not hasattr(cls, "_fields") or "kv" not in cls._fields:
-    raise ValueError(
-        f"combine: both states must be the same variant's state; got {cls.__name__} and "
-        f"{type(later).__name__}.")
-  for field in cls._fields:
-    a, b = jnp.shape(getattr(earlier, field)), jnp.shape(getattr(later, field))
-    if a != b:
-      raise ValueError(f"combine: {cls.__name__}.{field} has shapes {a} and {b}.")
-  return from_carry(combine(as_carry(earlier), as_carry(later)), cls)
-
-
 def summarize_keys(attention: Callable[..., Any], key: Any, value: Any, **options) -> Any:
   """The state of ``key [B, S, K, H]`` / ``value [B, S, K, D]`` under ``attention``.
 
@@ -775,24 +292,91 @@ def summarize_keys(attention: Callable[..., Any], key: Any, value: Any, **option
 
 
 @dataclasses.dataclass(frozen=True)
-class Family:
-  """A recurrent variant as the core runs it (static, hashable).
+class Options:
+  """A call's static options, checked and resolved (hashable: a key of the compiled program).
 
   Attributes:
-    featurizer: ``featurizer(params, x [..., H], *, is_query) -> (features [..., M|1],
-      log-scale None | [...] | [..., M])``; its arrays arrive as ``params``.
-    read: how queries read the state (``"kernel"`` or ``"per_feature"``).
-    state_cls: the public state NamedTuple (fields ``kv``, ``k_sum`` and, for
-      stabilised maps, ``running_max``).
-    implementations: the values of ``implementation=`` the variant offers.
-    chunk_form: whose default chunk size ``chunk_size=None`` takes (None: ``read``'s).
+    is_causal: query t sees keys ``j <= t + S - T``.
+    implementation: the form that runs (never None here).
+    chunk_size: C of the chunked and scanned forms.
+    eps: added to a kernel read's normaliser.
+    scale: multiplies the queries of the gated families (None: ``1 / sqrt(H)``).
+    return_state: whether the state is returned, for the families whose program differs
+      by it (:attr:`Family.static_return_state`); False for the others.
   """
 
-  featurizer: Featurizer
-  read: Read
-  state_cls: type
-  implementations: tuple[str, ...]
-  chunk_form: ChunkForm | None = None
+  is_causal: bool
+  implementation: str
+  chunk_size: int
+  eps: float = 0.0
+  scale: float | None = None
+  return_state: bool = False
+
+
+class Start(NamedTuple):
+  """Where a family's run starts (:meth:`Family.start`)."""
+
+  chunk: Chunk  # The arrays as the family's bodies read them.
+  prepare: Callable[[Chunk], Chunk] | None  # Each chunk's map inside the checkpoint (None: none).
+  carry: Any  # The carry the driver starts from.
+  state: Any = None  # The initial state, checked and batched, for finish (None: none given).
+
+
+class Family:
+  """What a recurrent family brings to :func:`recurrent_attention`; everything else is shared.
+
+  Subclasses are frozen dataclasses (static and hashable: part of the compiled program's
+  key). The pipeline calls, inside one jitted program, ``start`` (the family's view of
+  the laid-out arrays, the map each chunk goes through and the carry, from the public
+  ``initial_state`` or empty), ``attend`` (the chunk driver with the family's bodies)
+  and ``finish`` (the output and the public state).
+
+  Attributes:
+    implementations: the values of ``implementation=`` it offers.
+    noncausal_only: implementations that support only ``is_causal=False`` (with
+      ``is_causal=True`` they raise).
+    supports_noncausal: whether ``is_causal=False`` is supported at all.
+    static_return_state: whether ``return_state`` changes the program (it is then part
+      of :class:`Options`).
+  """
+
+  implementations: tuple[str, ...] = ()
+  noncausal_only: frozenset[str] = frozenset()
+  supports_noncausal: bool = True
+  static_return_state: bool = False
+
+  def token_inputs(self, inputs: Mapping[str, Any], key: Any) -> tuple[TokenInput, ...]:
+    """The per-token inputs of a call with these ``inputs`` (by name; None for one left out)
+    and ``key``; each is checked against its declaration."""
+    del inputs, key
+    return ()
+
+  def chunk_form(self, token_inputs: tuple[TokenInput, ...]) -> ChunkForm:
+    """Whose default C ``chunk_size=None`` takes (see :func:`default_chunk_size`)."""
+    del token_inputs
+    return "kernel"
+
+  def default_implementation(self, is_causal: bool) -> str:
+    """``implementation=None``: the chunked form when causal, else one summary."""
+    return "chunked" if is_causal else "parallel"
+
+  def start(self, chunk: Chunk, state: Any, params: Any, inputs: Mapping[str, jax.Array],
+            p: checks.Prepared, options: Options, *, fn: str) -> Start:
+    """The family's chunk, its per-chunk map and the carry to start from (from
+    ``state``, a public state it checks, or empty). ``inputs`` are the per-token
+    inputs ``[B, K, S, H|1]``."""
+    raise NotImplementedError
+
+  def attend(self, carry: Any, chunk: Chunk, prepare: Callable[[Chunk], Chunk] | None,
+             options: Options) -> tuple[jax.Array, Any]:
+    """``(out [B, K, G, T, ·], final carry)``."""
+    raise NotImplementedError
+
+  def finish(self, out: jax.Array, carry: Any, state: Any, chunk: Chunk,
+             options: Options) -> tuple[jax.Array, Any]:
+    """``(out [B, K, G, T, D], the public final state)`` from the driver's output and carry
+    (``state``: :attr:`Start.state`)."""
+    raise NotImplementedError
 
 
 def default_chunk_size(form: ChunkForm = "kernel") -> int:
@@ -810,97 +394,111 @@ def check_chunk_size(chunk_size: int | None, *, form: ChunkForm = "kernel", fn: 
 
 
 def recurrent_attention(
-    family: Family, query: Any, key: Any, value: Any, params: Any = (), *, is_causal: bool,
-    key_value_seq_lengths: Any, eps: float, implementation: str | None,
+    family: Family, query: Any, key: Any, value: Any, params: Any = (), *,
+    inputs: Mapping[str, Any] | None = None, is_causal: bool, key_value_seq_lengths: Any,
+    eps: float = 0.0, scale: float | None = None, implementation: str | None,
     chunk_size: int | None, initial_state: Any, return_state: bool = False, fn: str,
 ) -> jax.Array | tuple[jax.Array, Any]:
-  """The shared entry of every recurrent variant: ``out [B, T, N, D]``, or with
-  ``return_state`` the pair ``(out, final state)``.
+  """The entry of every recurrent variant: ``out [B, T, N, D]``, or with ``return_state``
+  the pair ``(out, final state)``.
 
-  Checks the static options here, then runs one jitted function (inlined
-  under an outer jit; eager calls reuse its compiled program) that validates
-  the arrays and the state, featurises, runs :func:`attend`
-  (``implementation`` None: ``"chunked"`` if causal, else ``"parallel"``) and
-  restores the public layout (and the missing batch axis of unbatched calls).
+  Checks the static options and the per-token ``inputs`` here (their bounds where they
+  are concrete), then runs one jitted function (inlined under an outer jit; eager calls
+  reuse its compiled program) that validates the arrays and the state, lays them out,
+  runs the family (:class:`Family`) and restores the public layout (and the missing
+  batch axis of unbatched calls).
 
   Raises:
-    ValueError: for a non-bool ``is_causal``, an unknown or unsupported
-      implementation, a bad ``chunk_size`` or ``eps``, bad arrays or a state
-      that does not match them.
+    ValueError: for a non-bool ``is_causal`` or one the family does not support, an
+      unknown or unsupported implementation, a bad ``chunk_size``, ``eps`` or ``scale``,
+      bad arrays or per-token inputs, or a state that does not match them.
   """
   is_causal = checks.check_static_bool(is_causal, name="is_causal", fn=fn)
+  if not is_causal and not family.supports_noncausal:
+    raise ValueError(f"{fn}: is_causal=False is not supported: this is a recurrence, each "
+                     "output reads the state of the keys up to its own position; pass "
+                     "is_causal=True.")
   implementation = checks.check_implementation(
-      implementation, choices=family.implementations, is_causal=is_causal, fn=fn)
-  implementation = implementation or ("chunked" if is_causal else "parallel")
-  chunk_size = check_chunk_size(chunk_size, form=family.chunk_form or family.read, fn=fn)
+      implementation, choices=family.implementations, is_causal=is_causal,
+      noncausal_only=family.noncausal_only, fn=fn) or family.default_implementation(is_causal)
+  inputs = {name: x for name, x in (inputs or {}).items() if x is not None}
+  declared = family.token_inputs(inputs, key)
+  missing = [f"{x.name} {x.layout}" for x in declared if x.name not in inputs]
+  if missing:
+    raise ValueError(f"{fn}: missing the per-token input(s) {', '.join(missing)}.")
+  if jnp.ndim(key) in (3, 4):  # Else prepare_qkv names the ranks.
+    inputs = {x.name: x.check(inputs[x.name], jnp.shape(key), fn=fn) for x in declared}
+  chunk_size = check_chunk_size(chunk_size, form=family.chunk_form(declared), fn=fn)
   if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or eps < 0:
     raise ValueError(f"{fn}: eps must be a non-negative float; got {eps!r}.")
-  out, state = _recurrent_attention(
-      query, key, value, key_value_seq_lengths, initial_state, params, family=family,
-      config=ReadConfig(family.read, float(eps)), is_causal=is_causal,
-      implementation=implementation, chunk_size=chunk_size, fn=fn)
+  options = Options(is_causal, implementation, chunk_size, float(eps),
+                    checks.check_scale(scale, fn=fn),
+                    bool(return_state) and family.static_return_state)
+  out, state = _attention(query, key, value, key_value_seq_lengths, initial_state, params,
+                          inputs, family=family, options=options, fn=fn)
   return (out, state) if return_state else out
 
 
-@functools.partial(jax.jit, static_argnames=(
-    "family", "config", "is_causal", "implementation", "chunk_size", "fn"))
-def _recurrent_attention(query, key, value, lengths, state, params, *, family, config, is_causal,
-                         implementation, chunk_size, fn):
+@functools.partial(jax.jit, static_argnames=("family", "options", "fn"))
+def _attention(query, key, value, lengths, state, params, inputs, *, family: Family,
+               options: Options, fn: str):
   p = checks.prepare_qkv(query, key, value, fn=fn)
   (lengths,) = checks.check_lengths(p, fn=fn, key_value_seq_lengths=lengths).values()
   dtype = checks.accumulation_dtype(p.query.dtype)
-  chunk = inputs(p, lengths, dtype)
-  prepare = featurizing(functools.partial(family.featurizer, params), dtype)
-  M, M_log = feature_sizes(chunk, jax.eval_shape(prepare, chunk), fn=fn)  # Shapes only.
-  B, T, _, N, K, _, D = p.dims
-  if state is None:
-    carry = empty_carry(B, K, M, M_log, D, dtype, like=chunk.v)
-  else:
-    carry = _to_carry(state, family.state_cls, p, M, M_log, dtype, fn=fn)
-  out, carry = attend(config, carry, chunk, is_causal=is_causal, implementation=implementation,
-                      chunk_size=chunk_size, prepare=prepare)
-  out = out.transpose(0, 3, 1, 2, 4).reshape(B, T, N, D).astype(p.query.dtype)
-  return p.restore(out), _from_carry(carry, family.state_cls, p.batched)
+  chunk = layout(p, lengths, dtype)
+  inputs = {name: _input_layout(x, p, chunk, dtype) for name, x in inputs.items()}
+  start = family.start(chunk, state, params, inputs, p, options, fn=fn)
+  out, carry = family.attend(start.carry, start.chunk, start.prepare, options)
+  out, state = family.finish(out, carry, start.state, start.chunk, options)
+  d = p.dims
+  out = out.transpose(0, 3, 1, 2, 4).reshape(d.B, d.T, d.N, d.D).astype(p.query.dtype)
+  return p.restore(out), state if p.batched else jax.tree.map(lambda x: x[0], state)
+
+
+def _input_layout(x: Any, p: checks.Prepared, chunk: Chunk, dtype: Any) -> jax.Array:
+  """A per-token input ``[B, S, K(, H)]`` (checked; no B when unbatched) as ``[B, K, S, H|1]``
+  in ``dtype``, 0 at padded keys."""
+  x = jnp.asarray(x).astype(dtype)
+  x = x if p.batched else x[None]
+  return hide_padded(chunk, (x[..., None] if x.ndim == 3 else x).transpose(0, 2, 1, 3))
 
 
 # Registration --------------------------------------------------------------------
 
 
-def register_recurrent(name: str, *, function: Callable[..., Any], reference: Callable[..., Any],
-                       init: Callable[..., Any], step: Callable[..., Any],
-                       summarize: Callable[..., Any], implementations: tuple[str, ...],
-                       noncausal_only: frozenset[str] = frozenset({"parallel"}),
+def register_recurrent(name: str, *, family: Family, function: Callable[..., Any],
+                       reference: Callable[..., Any], init: Callable[..., Any],
+                       step: Callable[..., Any], summarize: Callable[..., Any],
+                       combine: Callable[..., Any],
                        weights: Callable[..., Any] | None = None,
                        params: ParamSpec | None = None,
                        bind: Callable[..., Any] | None = None,
-                       combine: Callable[..., Any] = combine_states,
-                       supports_noncausal: bool = True,
-                       extra_inputs: tuple[tuple[str, str], ...] = (),
-                       identity: Callable[..., Any] | None = None) -> None:
+                       token_inputs: tuple[TokenInput, ...] = (),
+                       identity: Callable[..., Any] | None = None) -> AttentionSpec:
   """Registers a variant on this core: how it is chosen, streamed and combined.
 
+  What it supports (implementations, causal modes) is read off ``family``.
   ``bind(fn, head_dim_at=0)`` turns each entry point into the registered one
   (a fixed feature map or kernel, ``params``' arrays); ``head_dim_at`` is the
   axis of H in ``step``'s one-token inputs. Every entry point is bound alike.
-  ``combine`` composes the states ``summarize`` returns (default: the kernel
-  families' :func:`combine_states`); ``extra_inputs`` are per-token inputs
-  (gates) that every entry point takes as keyword arguments, ``step`` one
-  token's worth (see ``AttentionSpec.extra_inputs``); ``identity`` builds the
-  summary of no keys where it is not ``init``'s decoding state.
+  ``combine`` composes the states ``summarize`` returns; ``token_inputs`` are the
+  per-token inputs (gates) that every entry point takes as keyword arguments,
+  ``step`` one token's worth (see ``AttentionSpec.token_inputs``); ``identity``
+  builds the summary of no keys where it is not ``init``'s decoding state.
   """
   bind = bind or (lambda fn, head_dim_at=0: fn)
-  register_attention(AttentionSpec(
+  return register_attention(AttentionSpec(
       name=name,
       function=bind(function),
       reference=bind(reference),
       how_options=frozenset({"implementation", "chunk_size"}),
-      implementations=implementations,
-      noncausal_only=noncausal_only,
-      supports_noncausal=supports_noncausal,
+      implementations=family.implementations,
+      noncausal_only=family.noncausal_only,
+      supports_noncausal=family.supports_noncausal,
       streaming=StreamingSpec(init=bind(init), step=bind(step, 1), summarize=bind(summarize),
                               combine=combine,
                               identity=None if identity is None else bind(identity)),
       weights=None if weights is None else bind(weights),
       params=params,
-      extra_inputs=extra_inputs,
+      token_inputs=token_inputs,
   ))

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from linattn_jax._src import checks
 
@@ -203,6 +204,90 @@ class ParamSpec:
     return with_arrays
 
 
+class Role(str, enum.Enum):
+  """What a per-token input does in a recurrence, and so how a layer makes it.
+
+  ``DECAY``: a log-decay ``g ≤ 0``; the state is multiplied by ``exp(g)`` before
+  the token writes (``-inf`` or a large negative value resets it). A layer
+  projects it as ``log σ(x w + b)``. ``WRITE_STRENGTH``: ``β ∈ [0, 1]``, how much of
+  the value replaces what the key already stores (the delta rule); the write is
+  a contraction only for unit keys, so a layer projects ``σ(x w + b)`` and
+  L2-normalises queries and keys (:attr:`unit_keys`).
+
+  Examples:
+    >>> la.Role.WRITE_STRENGTH.bounds, la.Role.WRITE_STRENGTH.unit_keys
+    ((0.0, 1.0), True)
+  """
+
+  DECAY = "decay"
+  WRITE_STRENGTH = "write_strength"
+
+  @property
+  def bounds(self) -> tuple[float, float]:
+    """The closed range of the input's entries."""
+    return (-float("inf"), 0.0) if self is Role.DECAY else (0.0, 1.0)
+
+  @property
+  def unit_keys(self) -> bool:
+    """Whether the recurrence wants L2-normalised queries and keys with this input."""
+    return self is Role.WRITE_STRENGTH
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenInput:
+  """A per-token input of a recurrence besides query, key and value (a gate, a β).
+
+  Attributes:
+    name: its keyword (``log_decay``, ``beta``).
+    role: what it does (:class:`Role`): its range and what a layer does for it.
+    per_feature: one entry per key feature, ``[B, S, K, H]``; else one per head,
+      ``[B, S, K]``.
+
+  Examples:
+    >>> gate = la.TokenInput("log_decay", la.Role.DECAY, per_feature=True)
+    >>> gate.shape((2, 16, 4, 8)), gate.shape((2, 4, 8))  # A sequence's key; one token's.
+    ((2, 16, 4, 8), (2, 4, 8))
+  """
+
+  name: str
+  role: Role
+  per_feature: bool = False
+
+  @property
+  def layout(self) -> str:
+    """Its shape in letters."""
+    return "[B, S, K, H]" if self.per_feature else "[B, S, K]"
+
+  def shape(self, key_shape: Sequence[int]) -> tuple[int, ...]:
+    """Its shape for a key of shape ``key_shape`` (``[B, S, K, H]``, without B, or one
+    token's ``[B, K, H]``): the key's, without H unless ``per_feature``."""
+    key_shape = tuple(key_shape)
+    return key_shape if self.per_feature else key_shape[:-1]
+
+  def check(self, x: Any, key_shape: Sequence[int], *, fn: str) -> Any:
+    """``x`` if it is a float array of :meth:`shape` within the role's bounds; a
+    ValueError naming the input, the shapes or the bounds otherwise.
+
+    The bounds are checked where ``x`` is concrete (an eager call); a traced value
+    (under ``jax.jit``) cannot be read, and is used as it is.
+    """
+    want = self.shape(key_shape)
+    if jnp.shape(x) != want or not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+      raise ValueError(f"{fn}: {self.name} must be a float array {self.layout} = {want} for "
+                       f"key {tuple(key_shape)}; got {jnp.result_type(x)} {jnp.shape(x)}.")
+    if not isinstance(x, jax.core.Tracer):
+      low, high = self.bounds
+      values = np.asarray(x, np.float64)
+      if np.any(values < low) or np.any(values > high):
+        raise ValueError(f"{fn}: {self.name} ({self.role.value}) must lie in [{low}, {high}]; "
+                         f"got values from {np.nanmin(values)} to {np.nanmax(values)}.")
+    return x
+
+  @property
+  def bounds(self) -> tuple[float, float]:
+    return self.role.bounds
+
+
 @dataclasses.dataclass(frozen=True)
 class AttentionSpec:
   """One registered variant: its function, its oracle and what it supports.
@@ -236,10 +321,10 @@ class AttentionSpec:
     full_softmax: whether the variant is exact softmax attention over every
       visible key (no pattern tied to positions): a prefill from position 0
       is its plain causal call, and ring attention runs it across devices.
-    extra_inputs: per-token inputs the function needs besides query, key and
-      value, as ``(name, shape)`` pairs (e.g. ``("log_decay", "[B, S, K]")``);
-      they are keyword arguments of every call, and the function
-      :func:`get_attention` builds rejects a call without them.
+    token_inputs: per-token inputs the function needs besides query, key and
+      value (:class:`TokenInput`: name, role, shape); they are keyword arguments of
+      every call, and the function :func:`get_attention` builds rejects a call
+      without them. A layer computes them from its input by their roles.
     forms_weights: whether the variant is softmax attention over a pattern,
       so that its ``[B, N, T, S]`` weights can be formed: a layer then
       honours a general ``mask`` (with the pattern), attention dropout and
@@ -285,7 +370,7 @@ class AttentionSpec:
   params: ParamSpec | None = None
   forms_weights: bool = False
   full_softmax: bool = False
-  extra_inputs: tuple[tuple[str, str], ...] = ()
+  token_inputs: tuple[TokenInput, ...] = ()
 
   def supports(self, implementation: str | None, is_causal: bool) -> bool:
     """Whether ``implementation`` supports this causal mode."""
@@ -300,32 +385,40 @@ class AttentionSpec:
       return CacheKind.KV
     return CacheKind.RECURRENT if self.streaming.state_passing else CacheKind.WINDOW
 
-  def extra_input_shapes(self, key_shape: Sequence[int]) -> dict[str, tuple[int, ...]]:
-    """The shape of each of ``extra_inputs`` for a key of shape ``key_shape``
+  @property
+  def unit_keys(self) -> bool:
+    """Whether a layer L2-normalises queries and keys for this variant (its inputs' roles)."""
+    return any(x.role.unit_keys for x in self.token_inputs)
+
+  def token_input_shapes(self, key_shape: Sequence[int]) -> dict[str, tuple[int, ...]]:
+    """The shape of each of ``token_inputs`` for a key of shape ``key_shape``
     (``[B, S, K, H]``, or ``[B, K, H]`` for one token).
 
-    >>> la.get_spec("gated_delta_net").extra_input_shapes((2, 16, 4, 8))
+    >>> la.get_spec("gated_delta_net").token_input_shapes((2, 16, 4, 8))
     {'beta': (2, 16, 4), 'log_decay': (2, 16, 4)}
     """
-    return extra_input_shapes(self.name, self.extra_inputs, key_shape)
+    return {x.name: x.shape(key_shape) for x in self.token_inputs}
 
-  def check_extra_inputs(self, inputs: Mapping[str, Any], key_shape: Sequence[int], *,
+  def check_token_inputs(self, inputs: Mapping[str, Any], key_shape: Sequence[int], *,
                          fn: str | None = None) -> dict[str, Any]:
-    """``inputs``' arrays for ``extra_inputs``, each checked to be a float array of its
-    declared shape for a key of shape ``key_shape``; a ValueError names the input and the
-    shapes otherwise."""
-    return check_extra_inputs(self.name, self.extra_inputs, inputs, key_shape, fn=fn)
+    """``inputs``' arrays for ``token_inputs``, each checked by :meth:`TokenInput.check`;
+    a ValueError names a missing input."""
+    fn = fn or self.name
+    missing = [f"{x.name} {x.layout}" for x in self.token_inputs if x.name not in inputs]
+    if missing:
+      raise ValueError(f"{fn}: missing the per-token input(s) {', '.join(missing)}.")
+    return {x.name: x.check(inputs[x.name], key_shape, fn=fn) for x in self.token_inputs}
 
   def build(self, **options: Any) -> AttentionFn:
     """The function with ``options`` bound, after checking their names."""
-    inputs = dict(self.extra_inputs)
+    inputs = {x.name: x.layout for x in self.token_inputs}
     _check_options(self.name, self.function, options, per_call=(*_UNIFORM, *inputs))
     fn = functools.partial(self.function, **options)
     if not inputs:
       return fn
 
     def with_inputs(*args: Any, **kwargs: Any) -> Any:
-      missing = [f"{name} {shape}" for name, shape in inputs.items() if name not in kwargs]
+      missing = [f"{name} {layout}" for name, layout in inputs.items() if name not in kwargs]
       if missing:
         raise ValueError(f"{self.name}: each call needs the per-token input(s) "
                          f"{', '.join(missing)} as keyword arguments.")
@@ -344,43 +437,7 @@ class AttentionSpec:
 
 
 _UNIFORM = ("is_causal", "key_value_seq_lengths")
-# The shapes an extra input may have, from the key's ``[B, S, K, H]``: one per head or
-# one per key feature.
-_EXTRA_INPUT_SHAPES: dict[str, Callable[[tuple[int, ...]], tuple[int, ...]]] = {
-    "[B, S, K]": lambda key_shape: key_shape[:-1],
-    "[B, S, K, H]": lambda key_shape: key_shape,
-}
 _REGISTRY: dict[str, AttentionSpec] = {}
-
-
-def extra_input_shapes(name: str, declared: Sequence[tuple[str, str]],
-                       key_shape: Sequence[int]) -> dict[str, tuple[int, ...]]:
-  """The shape of each ``(input, "[B, S, K]"-like shape)`` of ``declared`` for a key of
-  shape ``key_shape`` (with or without B, or one token's ``[B, K, H]``)."""
-  unknown = [shape for _, shape in declared if shape not in _EXTRA_INPUT_SHAPES]
-  if unknown:
-    raise ValueError(f"{name}: extra input shapes {unknown} are not among "
-                     f"{sorted(_EXTRA_INPUT_SHAPES)}.")
-  key_shape = tuple(key_shape)
-  return {input_name: _EXTRA_INPUT_SHAPES[shape](key_shape) for input_name, shape in declared}
-
-
-def check_extra_inputs(name: str, declared: Sequence[tuple[str, str]], inputs: Mapping[str, Any],
-                       key_shape: Sequence[int], *, fn: str | None = None) -> dict[str, Any]:
-  """The one check of a variant's declared per-token inputs (see
-  :meth:`AttentionSpec.check_extra_inputs`), for its registry entries and context
-  parallelism alike."""
-  wants = extra_input_shapes(name, declared, key_shape)
-  missing = [f"{input_name} {shape}" for input_name, shape in declared if input_name not in inputs]
-  if missing:
-    raise ValueError(f"{fn or name}: missing the per-token input(s) {', '.join(missing)}.")
-  for input_name, shape in declared:
-    x = inputs[input_name]
-    if jnp.shape(x) != wants[input_name] or not jnp.issubdtype(jnp.result_type(x), jnp.floating):
-      raise ValueError(f"{fn or name}: {input_name} must be a float array {shape} = "
-                       f"{wants[input_name]} for key {tuple(key_shape)}; got "
-                       f"{jnp.result_type(x)} {jnp.shape(x)}.")
-  return {input_name: inputs[input_name] for input_name, _ in declared}
 
 
 def _check_options(name: str, function: Callable[..., Any], options: Mapping[str, Any], *,

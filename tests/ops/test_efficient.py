@@ -106,7 +106,7 @@ def test_huge_visible_keys_are_stable(impl, is_causal):
 def test_rows_past_the_rise_limit_take_the_exact_form_and_its_gradient(name):
   """A key far above the ones before it in its chunk: the rows from it to the chunk's end
   are recomputed exactly in the all-chunks form, forward and in its custom gradient."""
-  from linattn_jax._src.recurrence import MAX_RISE
+  from linattn_jax._src.kernel import MAX_RISE
   q, k, v = make_qkv(Shape(B=1, T=13, S=13, N=2, K=1, H=4, D=3), seed=13)
   big = 3 * MAX_RISE
   assert big - float(jnp.max(k)) > MAX_RISE  # Rows 6 and 7 (chunk 4..7) climb past it.

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import linattn_jax as la
+from linattn_jax._src import delta as delta_rule
 from linattn_jax._src import gated
 
 
@@ -74,14 +75,14 @@ CASES = [
 def call(delta, implementation, q, k, v, g, beta, **options):
   options = dict(options, implementation=implementation, chunk_size=4, return_state=True)
   if delta:
-    return la.delta_rule_attention(q, k, v, beta, log_decay=g, **options)
-  return la.gated_linear_attention(q, k, v, g, **options)
+    return la.delta_rule_attention(q, k, v, beta, is_causal=True, log_decay=g, **options)
+  return la.gated_linear_attention(q, k, v, g, is_causal=True, **options)
 
 
 @pytest.mark.parametrize("delta, per_feature", [(False, False), (False, True), (True, False)],
                          ids=["gla-per-head", "gla-per-feature", "delta"])
 def test_every_implementation_equals_the_token_recurrence(delta, per_feature):
-  implementations = gated.DELTA_IMPLEMENTATIONS if delta else gated.GATED_IMPLEMENTATIONS
+  implementations = delta_rule.DELTA_IMPLEMENTATIONS if delta else gated.GATED_IMPLEMENTATIONS
   for case in CASES:
     q, k, v, g, beta, initial = inputs(per_feature=per_feature, **case)
     lengths = np.array([k.shape[1], k.shape[1] - 3])
@@ -138,11 +139,12 @@ def test_per_feature_chunks_split_at_every_level(chunk_size):
   want, want_state = recurrence(q, k, v, log_decay=g, initial=initial, lengths=lengths)
   options = dict(chunk_size=chunk_size, initial_state=la.GatedState(initial),
                  key_value_seq_lengths=lengths, return_state=True)
-  out, state = la.gated_linear_attention(q, k, v, g, **options)
+  out, state = la.gated_linear_attention(q, k, v, g, is_causal=True, **options)
   chex.assert_trees_all_close((out, state.kv), (want, want_state), atol=2e-5, rtol=2e-5)
 
   def loss(implementation, *x):
-    out, final = la.gated_linear_attention(*x, implementation=implementation, **options)
+    out, final = la.gated_linear_attention(*x, is_causal=True, implementation=implementation,
+                                           **options)
     return jnp.sum(jnp.sin(out)) + jnp.sum(jnp.cos(final.kv))
 
   grads = {i: jax.grad(loss, argnums=(1, 2, 3, 4))(i, q, k, v, g) for i in ("scan", "chunked")}
@@ -158,8 +160,8 @@ def test_delta_chunks_invert_their_system_by_halves(chunk_size):
   q, k, v, g, beta, initial = inputs(T=37, S=37, reset=True, seed=3)
   lengths = np.array([37, 30])
   want, want_state = recurrence(q, k, v, log_decay=g, beta=beta, initial=initial, lengths=lengths)
-  out, state = la.delta_rule_attention(q, k, v, beta, log_decay=g, chunk_size=chunk_size,
-                                       initial_state=la.GatedState(initial),
+  out, state = la.delta_rule_attention(q, k, v, beta, is_causal=True, log_decay=g,
+                                       chunk_size=chunk_size, initial_state=la.GatedState(initial),
                                        key_value_seq_lengths=lengths, return_state=True)
   chex.assert_trees_all_close((out, state.kv), (want, want_state), atol=2e-5, rtol=2e-5)
 
@@ -177,18 +179,26 @@ def test_splitting_a_sequence_and_passing_the_state_equals_one_pass():
 
 def test_bad_inputs_raise_value_errors_naming_them():
   q, k, v, g, beta, _ = inputs()
-  with pytest.raises(ValueError, match="is_causal=False.*recurrences"):
+  with pytest.raises(ValueError, match="is_causal=False.*recurrence"):
     la.gated_linear_attention(q, k, v, g, is_causal=False)
-  with pytest.raises(ValueError, match=r"log_decay must be .*\(2, 13, 2\) or \(2, 13, 2, 8\)"):
-    la.gated_linear_attention(q, k, v, g[:, :5])
+  with pytest.raises(ValueError, match=r"log_decay must be .*\(2, 13, 2\) for key"):
+    la.gated_linear_attention(q, k, v, g[:, :5], is_causal=True)
+  with pytest.raises(ValueError, match=r"log_decay \(decay\) must lie in \[-inf, 0.0\]"):
+    la.gated_linear_attention(q, k, v, -g, is_causal=True)  # Positive: a growing state.
+  with pytest.raises(ValueError, match=r"beta \(write_strength\) must lie in \[0.0, 1.0\]"):
+    la.delta_rule_attention(q, k, v, beta + 1.0, is_causal=True)
+  with pytest.raises(ValueError, match="scale must be a static Python float"):
+    jax.jit(lambda s: la.gated_linear_attention(q, k, v, g, is_causal=True, scale=s))(0.5)
   with pytest.raises(ValueError, match=r"beta must be .*\(2, 13, 2\)"):
-    la.delta_rule_attention(q, k, v, beta[..., None])
+    la.delta_rule_attention(q, k, v, beta[..., None], is_causal=True)
   with pytest.raises(ValueError, match="log_decay must be .*2, 13, 2\\)"):
-    la.delta_rule_attention(q, k, v, beta, log_decay=np.zeros((2, 13, 2, 8), np.float32))
+    la.delta_rule_attention(q, k, v, beta, is_causal=True,
+                            log_decay=np.zeros((2, 13, 2, 8), np.float32))
   with pytest.raises(ValueError, match="implementation"):
-    la.delta_rule_attention(q, k, v, beta, implementation="associative_scan")
+    la.delta_rule_attention(q, k, v, beta, is_causal=True, implementation="associative_scan")
   with pytest.raises(ValueError, match=r"GatedState.kv has shape"):
-    la.gated_linear_attention(q, k, v, g, initial_state=la.GatedState(jnp.zeros((2, 2, 8, 5))))
+    la.gated_linear_attention(q, k, v, g, is_causal=True,
+                              initial_state=la.GatedState(jnp.zeros((2, 2, 8, 5))))
 
 
 def test_decoding_step_by_step_equals_one_causal_pass():
@@ -350,10 +360,10 @@ def test_combine_and_initial_state_name_the_summary_types_and_shapes():
   with pytest.raises(ValueError, match=r"combine: DeltaSummary.transition has shapes"):
     spec.streaming.combine(summary, summary._replace(transition=summary.transition[..., :3]))
   with pytest.raises(ValueError, match=r"initial_state must be a DeltaSummary .* or a GatedState"):
-    la.delta_rule_attention(q, k, v, beta, initial_state=gated)
+    la.delta_rule_attention(q, k, v, beta, is_causal=True, initial_state=gated)
   with pytest.raises(ValueError, match=r"DeltaSummary.transition has shape \(2, 2, 8, 3\); "
                                        r"expected \(2, 2, 8, 8\)"):
-    la.delta_rule_attention(q, k, v, beta, initial_state=summary._replace(
+    la.delta_rule_attention(q, k, v, beta, is_causal=True, initial_state=summary._replace(
         transition=summary.transition[..., :3]))
 
 
@@ -382,8 +392,8 @@ def test_a_long_sequence_stays_finite_and_its_state_bounded(dtype):
   @functools.partial(jax.jit, static_argnames="delta")
   def run(q, k, v, gate, *, delta):
     def loss(q, k, v, gate):
-      out, state = (la.delta_rule_attention(q, k, v, gate, return_state=True) if delta
-                    else la.gated_linear_attention(q, k, v, gate, return_state=True))
+      attention = la.delta_rule_attention if delta else la.gated_linear_attention
+      out, state = attention(q, k, v, gate, is_causal=True, return_state=True)
       return jnp.sum(out.astype(jnp.float32)), (out, state)
     return jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, gate)
 

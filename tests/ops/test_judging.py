@@ -33,7 +33,7 @@ from _helpers import (
 from jax import lax
 
 import linattn_jax as la
-from linattn_jax._src import recurrence
+from linattn_jax._src import kernel, recurrence
 from linattn_jax._src.blocks import merge_blocks
 
 DROPPED = 2  # Visible to every query from position 2 on.
@@ -81,18 +81,19 @@ def _late_state(run_chunks):
   return late
 
 
+# Each bug: (module, name) it replaces, the bug, the causal modes it shows in.
 BUGS = {
-    "dropped_key": ("inputs", _dropped_key, (False, True)),
-    "eps_outside_normaliser": ("_finish", _eps_outside, (False, True)),
-    "eps_per_key": ("_finish", _eps_per_key, (False, True)),
-    "state_one_chunk_late": ("run_chunks", _late_state, (True,)),
+    "dropped_key": ((recurrence, "layout"), _dropped_key, (False, True)),
+    "eps_outside_normaliser": ((kernel, "_finish"), _eps_outside, (False, True)),
+    "eps_per_key": ((kernel, "_finish"), _eps_per_key, (False, True)),
+    "state_one_chunk_late": ((kernel, "run_chunks"), _late_state, (True,)),
 }
 CASES = [(name, bug, is_causal) for bug, (_, _, modes) in BUGS.items() for is_causal in modes
          for name in ("linear_elu", "random_fourier")]
 
 
 @contextlib.contextmanager
-def _patched(target: str, make_bug):
+def _patched(target: tuple, make_bug):
   """Runs the recurrent core with ``target`` replaced by ``make_bug(original)``.
 
   The engine's jitted entry point is swapped for its Python function, so no
@@ -100,8 +101,9 @@ def _patched(target: str, make_bug):
   outlives it.
   """
   with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(recurrence, "_recurrent_attention", recurrence._recurrent_attention.__wrapped__)
-    mp.setattr(recurrence, target, make_bug(getattr(recurrence, target)))
+    mp.setattr(recurrence, "_attention", recurrence._attention.__wrapped__)
+    module, name = target
+    mp.setattr(module, name, make_bug(getattr(module, name)))
     yield
 
 

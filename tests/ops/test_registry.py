@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -65,14 +65,15 @@ def test_names_register_once():
     la.register_attention(la.get_spec("softmax"))
 
 
-def test_a_spec_names_its_extra_per_token_inputs_and_calls_without_them_fail():
-  """``extra_inputs`` (gates, betas): keyword arguments of every call, never options."""
+def test_a_spec_names_its_per_token_inputs_and_calls_without_them_fail():
+  """``token_inputs`` (gates, betas): keyword arguments of every call, never options; their
+  shapes come from one declaration, and the roles' bounds are checked where concrete."""
   def gated(query, key, value, *, log_decay, is_causal=False, key_value_seq_lengths=None):
     return la.softmax_attention(query, key, value * jnp.exp(log_decay)[..., None],
                                 is_causal=is_causal)
 
   spec = la.AttentionSpec(name="gated_example", function=gated, reference=gated,
-                          extra_inputs=(("log_decay", "[B, S, K]"),))
+                          token_inputs=(la.TokenInput("log_decay", la.Role.DECAY),))
   fn = spec.build()
   x = jnp.ones((1, 4, 2, 3))
   assert fn(x, x, x, log_decay=jnp.zeros((1, 4, 2))).shape == (1, 4, 2, 3)
@@ -80,11 +81,20 @@ def test_a_spec_names_its_extra_per_token_inputs_and_calls_without_them_fail():
     fn(x, x, x)
   with pytest.raises(ValueError, match="log_decay.*passed at call time"):
     spec.build(log_decay=jnp.zeros((1, 4, 2)))
-  assert la.get_spec("gla").extra_input_shapes(x.shape) == {"log_decay": (1, 4, 2, 3)}
-  assert spec.extra_input_shapes(x.shape) == {"log_decay": (1, 4, 2)}
-  odd = dataclasses.replace(spec, extra_inputs=(("log_decay", "[B, S]"),))
-  with pytest.raises(ValueError, match=r"gated_example: extra input shapes \['\[B, S\]'\]"):
-    odd.extra_input_shapes(x.shape)
+  assert la.get_spec("gla").token_input_shapes(x.shape) == {"log_decay": (1, 4, 2, 3)}
+  assert spec.token_input_shapes(x.shape) == {"log_decay": (1, 4, 2)}
+  assert spec.token_input_shapes((1, 2, 3)) == {"log_decay": (1, 2)}  # One token's.
+  assert not spec.unit_keys and la.get_spec("delta_net").unit_keys
+  with pytest.raises(ValueError, match=r"gated_example: missing the per-token input\(s\) "
+                                       r"log_decay \[B, S, K\]"):
+    spec.check_token_inputs({}, x.shape)
+  with pytest.raises(ValueError, match=r"log_decay must be a float array \[B, S, K\] = "
+                                       r"\(1, 4, 2\) for key \(1, 4, 2, 3\); got int32"):
+    spec.check_token_inputs({"log_decay": jnp.zeros((1, 4, 2), jnp.int32)}, x.shape)
+  with pytest.raises(ValueError, match=r"log_decay \(decay\) must lie in \[-inf, 0.0\]"):
+    spec.check_token_inputs({"log_decay": jnp.ones((1, 4, 2))}, x.shape)
+  traced = jax.jit(lambda g: spec.check_token_inputs({"log_decay": g}, x.shape)["log_decay"])
+  assert float(traced(jnp.ones((1, 4, 2)))[0, 0, 0]) == 1.0  # Not concrete: not read.
 
 
 def test_a_registered_variant_joins_the_shared_suite_with_its_defaults(monkeypatch):

@@ -161,7 +161,7 @@ class Case(NamedTuple):
 def spec_cases() -> list[Case]:
   """A :class:`Case` for every implementation of every registered variant.
 
-  A variant with ``extra_inputs`` runs as :func:`deriving_inputs` makes it.
+  A variant with ``token_inputs`` runs as :func:`deriving_inputs` makes it.
   """
   cases = []
   for spec in map(la.get_spec, la.available_attentions()):
@@ -171,20 +171,20 @@ def spec_cases() -> list[Case]:
   return cases
 
 
-# Per-token inputs from the key, by name and shape (last axis H of the key or of one token's).
+# Per-token inputs from the key, by role and shape (last axis H of the key or of one token's).
 _DERIVED = {
     # A decay per head, exp(-softplus(k_0 - 2)): about 0.88 for k_0 = 0, so the carried state
     # matters across several chunks of 4; a large key resets.
-    ("log_decay", "[B, S, K]"): lambda k: -jax.nn.softplus(k[..., 0] - 2.0),
+    (la.Role.DECAY, False): lambda k: -jax.nn.softplus(k[..., 0] - 2.0),
     # A decay per key feature, sigmoid(k)^(1/4): about 0.84 for k = 0.
-    ("log_decay", "[B, S, K, H]"): lambda k: jax.nn.log_sigmoid(k) / 4.0,
+    (la.Role.DECAY, True): lambda k: jax.nn.log_sigmoid(k) / 4.0,
     # Write strengths in (0, 1).
-    ("beta", "[B, S, K]"): lambda k: jax.nn.sigmoid(k[..., 1]),
+    (la.Role.WRITE_STRENGTH, False): lambda k: jax.nn.sigmoid(k[..., 1]),
 }
 
 
 def deriving_inputs(spec):
-  """``spec`` with its ``extra_inputs`` (gates, betas) derived from the key, as a layer would.
+  """``spec`` with its ``token_inputs`` (gates, betas) derived from the key, as a layer would.
 
   The shared suite calls every variant as ``fn(q, k, v, is_causal=...,
   key_value_seq_lengths=...)``. For a spec that declares per-token inputs,
@@ -193,10 +193,10 @@ def deriving_inputs(spec):
   function and its oracle get the same wrapper, so parity still judges the
   implementation; a key's gates are as future as the key, so the causality
   tests still hold; and gradients reach the gates through ``k``. The wrapped
-  spec declares no ``extra_inputs``. A spec without extra inputs is returned
+  spec declares no ``token_inputs``. A spec without extra inputs is returned
   as it is.
   """
-  if not spec.extra_inputs:
+  if not spec.token_inputs:
     return spec
   wrap = functools.partial(with_derived_inputs, spec)
   streaming = spec.streaming
@@ -206,7 +206,7 @@ def deriving_inputs(spec):
         summarize=None if streaming.summarize is None else wrap(streaming.summarize, key_at=0))
   return dataclasses.replace(spec, function=wrap(spec.function),
                              reference=wrap(spec.reference), streaming=streaming,
-                             extra_inputs=())
+                             token_inputs=())
 
 
 def with_derived_inputs(spec, fn, key_at: int = 1):
@@ -216,21 +216,22 @@ def with_derived_inputs(spec, fn, key_at: int = 1):
   position by position, in float32 (float64 for float64 keys) whatever the
   key's dtype:
 
-  - ``log_decay [B, S, K]``: ``-softplus(k[..., 0] - 2)`` (a decay per head);
-  - ``log_decay [B, S, K, H]``: ``log_sigmoid(k) / 4`` (a decay per key feature);
-  - ``beta [B, S, K]``: ``sigmoid(k[..., 1])``;
+  - a decay per head ``[B, S, K]``: ``-softplus(k[..., 0] - 2)``;
+  - a decay per key feature ``[B, S, K, H]``: ``log_sigmoid(k) / 4``;
+  - a write strength ``[B, S, K]``: ``sigmoid(k[..., 1])``;
 
-  and a spec taking ``beta`` (a delta rule) gets keys scaled to a norm in
+  and a spec with a write strength (a delta rule: its role wants unit keys) gets keys
+  scaled to a norm in
   ``[1/√2, √2]``, since the raw delta rule grows without bound for
   ``β |k|² > 2``: scaled by a power of two, not divided by the norm, so that a
   16-bit key and its float32 copy (which the stress tests give the oracle)
-  give the same scaled key, exactly. To run the suite on your own gated
-  variant, name its inputs and shapes as above (or add a rule to
-  ``_DERIVED``). ``fn`` itself for a spec without extra inputs.
+  give the same scaled key, exactly. A gated variant of your own whose inputs have
+  these roles and shapes runs as it is (another needs a rule in ``_DERIVED``).
+  ``fn`` itself for a spec without per-token inputs.
   """
-  if not spec.extra_inputs:
+  if not spec.token_inputs:
     return fn
-  derived = _deriver(spec.name, spec.extra_inputs)
+  derived = _deriver(spec.name, spec.token_inputs)
 
   def wrapped(*args, **kwargs):
     if len(args) <= key_at or jnp.ndim(args[key_at]) < 2:
@@ -238,7 +239,7 @@ def with_derived_inputs(spec, fn, key_at: int = 1):
     key, gates = derived(jnp.asarray(args[key_at]))
     return fn(*args[:key_at], key, *args[key_at + 1:], **gates, **kwargs)
 
-  names = {name for name, _ in spec.extra_inputs}
+  names = {x.name for x in spec.token_inputs}
   signature = inspect.signature(fn)
   wrapped.__signature__ = signature.replace(
       parameters=[p for p in signature.parameters.values() if p.name not in names])
@@ -247,18 +248,18 @@ def with_derived_inputs(spec, fn, key_at: int = 1):
 
 
 @functools.cache
-def _deriver(name: str, extra_inputs: tuple[tuple[str, str], ...]):
+def _deriver(name: str, token_inputs: tuple[la.TokenInput, ...]):
   """``key -> (key, inputs)`` for :func:`with_derived_inputs`, one program per key shape
   (also where the suite calls the oracle eagerly)."""
-  unknown = [i for i in extra_inputs if i not in _DERIVED]
+  unknown = [x for x in token_inputs if (x.role, x.per_feature) not in _DERIVED]
   if unknown:
     raise ValueError(f"{name}: no rule derives {unknown} from the key; add one to _DERIVED.")
-  normalise = any(input_name == "beta" for input_name, _ in extra_inputs)
+  normalise = any(x.role.unit_keys for x in token_inputs)
 
   @jax.jit
   def derived(key):
     k32 = key.astype(accumulation_dtype(key.dtype))
-    gates = {input_name: _DERIVED[(input_name, shape)](k32) for input_name, shape in extra_inputs}
+    gates = {x.name: _DERIVED[(x.role, x.per_feature)](k32) for x in token_inputs}
     if normalise:  # Exact in every dtype: the scale is 2^-round(log2 |k|).
       norm = jnp.sqrt(jnp.sum(k32 * k32, axis=-1, keepdims=True))
       key = key * jax.lax.stop_gradient(jnp.exp2(-jnp.round(jnp.log2(norm)))).astype(key.dtype)

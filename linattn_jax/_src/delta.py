@@ -1,0 +1,437 @@
+"""The delta rule: DeltaNet, and Gated DeltaNet with a decay per head.
+
+Letters as in ``gated.py``: the state of each key/value head is a matrix
+``S [H, D]`` (no normaliser); a query reads ``o_t = scale · q_tᵀ S_t``::
+
+    S' = exp(g_t) S_{t-1}     u_t = β_t (v_t - S'ᵀ k_t)     S_t = S' + k_t u_tᵀ
+
+Each write replaces part of what the key already stores. Inside a chunk the
+decay from key j to query i is ``exp(Σ_{j<l≤i} g_l)`` (never a positive
+exponent; a decay of -1e4 is a clean reset). The chunk form is the WY/UT
+representation (Yang et al., 2024): with ``Γ_i = exp(Σ_{l≤i} g_l)`` inside the
+chunk, ``U = (I + L)⁻¹ diag(β) (V - diag(Γ) K S_0)`` where
+``L_ij = β_i (Γ_i / Γ_j) k_iᵀ k_j`` for ``j < i`` (one unit triangular inverse per
+chunk, by halves), then ``S_C = Γ_C S_0 + Σ_j (Γ_C / Γ_j) k_j u_jᵀ``.
+
+References:
+  Yang et al., "Parallelizing Linear Transformers with the Delta Rule over
+  Sequence Length", 2024. Yang, Kautz and Hatamizadeh, "Gated Delta Networks:
+  Improving Mamba2 with Delta Rule", 2025.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import typing
+from collections.abc import Mapping
+from typing import Any, ClassVar, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.typing import ArrayLike
+
+from linattn_jax._src import recurrence
+from linattn_jax._src.gated import (
+    GatedState,
+    MatrixFamily,
+    aligned,
+    by_token,
+    check_summaries,
+    empty_kv,
+    one_token,
+    reference_options,
+    register_matrix,
+    segment_sums,
+    suffix_sums,
+)
+from linattn_jax._src.registry import Role, TokenInput
+
+DeltaImplementation = Literal["reference", "scan", "chunked"]
+DELTA_IMPLEMENTATIONS: tuple[str, ...] = typing.get_args(DeltaImplementation)
+
+
+class DeltaSummary(NamedTuple):
+  """What a span of keys does to a :class:`GatedState` under :func:`delta_rule_attention`.
+
+  The span maps ``S`` to ``A S + B`` with ``A = Π_t exp(g_t) (I - β_t k_t k_tᵀ)``
+  (the latest token on the left) and ``B`` its state from zero; summaries compose
+  by ``(A_l A_e, A_l B_e + B_l)`` (:func:`combine_gated`). Being affine in ``S``, the
+  recurrence run from the state ``[B_e | A_e]`` ``[H, D + H]`` with values ``[v | 0]``
+  leaves ``[A B_e + B | A A_e]``: that is how a summary continues over more keys.
+
+  Attributes:
+    kv: ``[B, K, H, D]``: ``B``, float32 (float64 for float64 inputs).
+    transition: ``A``, ``[B, K, H, H]``.
+
+  Examples:
+    >>> k = jnp.zeros((1, 3, 1, 2)).at[..., 0].set(1.0)  # [B, S, K, H]: unit keys e_0
+    >>> s = la.get_spec("delta_net").streaming.summarize(k, k, beta=jnp.ones((1, 3, 1)))
+    >>> s.transition[0, 0]  # β = 1 erases what e_0 stored: I - e_0 e_0ᵀ
+    Array([[0., 0.],
+           [0., 1.]], dtype=float32)
+  """
+
+  kv: jax.Array
+  transition: jax.Array
+
+
+# The delta rule --------------------------------------------------------------------------
+# gates = (g [B, K, C, 1], beta [B, K, C, 1]).
+
+
+# The delta rule's inverse and its applications multiply in full float32 (no TF32 on GPUs):
+# an inverse compounds rounding level by level.
+_matmul = functools.partial(jnp.matmul, precision=lax.Precision.HIGHEST)
+
+
+def _unit_lower_inverse(M: jax.Array) -> jax.Array:
+  """``M⁻¹`` for unit lower triangular ``M [..., C, C]``, by halves::
+
+      [[A, 0], [L, D]]⁻¹ = [[A⁻¹, 0], [-D⁻¹ L A⁻¹, D⁻¹]]
+
+  with the two diagonal halves inverted together, one level per halving: matrix
+  products only (a triangular solve is a sequential loop on some backends), in full
+  float32 precision. A size that is not a power of two gets identity rows and
+  columns up to the next one, dropped at the end.
+  """
+  C = M.shape[-1]
+  padded = 1 << (C - 1).bit_length()
+  if padded != C:
+    pad = [(0, 0)] * (M.ndim - 2) + [(0, padded - C)] * 2
+    ones = jnp.diag(jnp.arange(padded) >= C).astype(M.dtype)  # On the added diagonal.
+    M = jnp.pad(M, pad) + ones.reshape((1,) * (M.ndim - 2) + ones.shape)
+  return _unit_lower_inverse_by_halves(M)[..., :C, :C]
+
+
+def _unit_lower_inverse_by_halves(M: jax.Array) -> jax.Array:
+  """:func:`_unit_lower_inverse` for a power-of-two size."""
+  C = M.shape[-1]
+  if C == 1:
+    return jnp.ones_like(M)
+  h = C // 2
+  halves = _unit_lower_inverse_by_halves(jnp.stack([M[..., :h, :h], M[..., h:, h:]], axis=-3))
+  A_inv, D_inv = halves[..., 0, :, :], halves[..., 1, :, :]
+  below = -_matmul(_matmul(D_inv, M[..., h:, :h]), A_inv)
+  return jnp.concatenate([jnp.concatenate([A_inv, jnp.zeros_like(below)], axis=-1),
+                          jnp.concatenate([below, D_inv], axis=-1)], axis=-2)
+
+
+def _delta_writes(S, chunk: recurrence.Chunk):
+  """The chunk's writes ``u [B, K, C, D]`` by one unit triangular inverse (the WY/UT form),
+  ``U = (I + L)⁻¹ diag(β) (V - diag(Γ) K S_0)`` with ``L_ij = β_i (Γ_i / Γ_j) k_iᵀ k_j``
+  (j < i); also the decays ``Γ_i / Γ_j`` ``[B, K, C, C]`` (0 where j > i), ``log Γ_i``
+  ``[B, K, C]`` and the state after the chunk."""
+  g, beta = (x[..., 0] for x in chunk.gates)  # [B, K, C]
+  k = chunk.fk
+  C = k.shape[2]
+  prefix = jnp.cumsum(g, axis=2)  # [B, K, C]: log Γ_i
+  decay = jnp.exp(segment_sums(g, 2))
+  strictly_lower = jnp.tril(jnp.ones((C, C), bool), -1)
+  L = jnp.where(strictly_lower, beta[..., None] * decay * jnp.einsum("bkih,bkjh->bkij", k, k), 0)
+  system = L + jnp.eye(C, dtype=L.dtype)[None, None]
+  read = jnp.exp(prefix)[..., None] * jnp.einsum("bkih,bkhd->bkid", k, S)  # Γ_i S_0ᵀ k_i
+  u = _matmul(_unit_lower_inverse(system), beta[..., None] * (chunk.v - read))
+  to_end = jnp.exp(suffix_sums(g, 2))[..., None]  # [B, K, C, 1]: Γ_C / Γ_j
+  S_end = (jnp.exp(prefix[:, :, -1])[..., None, None] * S
+           + jnp.einsum("bkjh,bkjd->bkhd", k * to_end, u))
+  return u, decay, prefix, S_end
+
+
+def _delta_chunk(config, S, chunk: recurrence.Chunk):
+  """C queries against the state and the chunk's writes: ``(S_C, out [B, K, G, C, D])``."""
+  del config
+  u, decay, prefix, S_end = _delta_writes(S, chunk)
+  q = chunk.fq
+  a = jnp.einsum("bkgih,bkjh->bkgij", q, chunk.fk) * decay[:, :, None]
+  out = (jnp.einsum("bkgij,bkjd->bkgid", a, u)
+         + jnp.einsum("bkgih,bkhd->bkgid", q * jnp.exp(prefix)[:, :, None, :, None], S))
+  return S_end, out
+
+
+def _delta_token(S, x):
+  q, k, v, g, beta = x  # [B, K, G, H], [B, K, H], [B, K, D], [B, K, 1], [B, K, 1]
+  S = jnp.exp(g)[..., None] * S
+  u = beta * (v - jnp.einsum("bkh,bkhd->bkd", k, S))
+  S = S + k[..., None] * u[..., None, :]
+  return S, jnp.einsum("bkgh,bkhd->bkgd", q, S)
+
+
+def _delta_scan(config, S, chunk):
+  del config
+  return by_token(_delta_token, S, chunk)
+
+
+def _delta_absorb(config, S, chunk):
+  del config
+  return _delta_writes(S, chunk)[-1]
+
+
+_DELTA_BODIES = {"scan": _delta_scan, "chunked": _delta_chunk}
+
+
+
+@dataclasses.dataclass(frozen=True)
+class DeltaFamily(MatrixFamily):
+  """:func:`delta_rule_attention` on the entry pipeline; ``gates = (g, β)`` (g = 0 without
+  a decay)."""
+
+  implementations: ClassVar[tuple[str, ...]] = DELTA_IMPLEMENTATIONS
+  bodies: ClassVar[Mapping[str, recurrence.Body]] = _DELTA_BODIES
+  summary_cls: ClassVar[type] = DeltaSummary
+  static_return_state: ClassVar[bool] = True
+
+  def token_inputs(self, inputs, key):
+    beta = TokenInput("beta", Role.WRITE_STRENGTH)
+    return (beta, TokenInput("log_decay", Role.DECAY)) if "log_decay" in inputs else (beta,)
+
+  def gates(self, inputs, chunk):
+    beta = inputs["beta"]
+    return (inputs.get("log_decay", jnp.zeros_like(beta)), beta)
+
+  def absorb(self, config, S, chunk):
+    return _delta_absorb(config, S, chunk)
+
+  def reference(self, S0, chunk):
+    return _delta_reference(S0, chunk)
+
+  def summary_fields(self, lead, K, H, gates):
+    return {"transition": lead + (K, H, H)}
+
+  def continue_from(self, chunk, state, options):
+    if not (isinstance(state, DeltaSummary) and options.return_state):
+      return chunk, state.kv
+    # The keys act on a state as S ↦ A S + B, so the same recurrence run from [S_0 | A_0]
+    # with values [v | 0] leaves [A S_0 + B | A A_0]: the summary composed with the keys'.
+    H = state.transition.shape[-1]
+    v = jnp.concatenate([chunk.v, jnp.zeros_like(chunk.v, shape=chunk.v.shape[:-1] + (H,))], -1)
+    return chunk._replace(v=v), jnp.concatenate([state.kv, state.transition], axis=-1)
+
+  def finish(self, out, carry, state, chunk, options):
+    if isinstance(state, DeltaSummary) and options.return_state:
+      D = state.kv.shape[-1]
+      return out[..., :D], DeltaSummary(carry[..., :D], carry[..., D:])
+    return out, GatedState(carry)
+
+
+# The public function --------------------------------------------------------------------
+
+
+def delta_rule_attention(
+    query: ArrayLike,
+    key: ArrayLike,
+    value: ArrayLike,
+    beta: ArrayLike,
+    *,
+    log_decay: ArrayLike | None = None,
+    scale: float | None = None,
+    is_causal: bool = False,
+    key_value_seq_lengths: ArrayLike | None = None,
+    initial_state: GatedState | None = None,
+    return_state: bool = False,
+    implementation: DeltaImplementation | None = None,
+    chunk_size: int | None = None,
+) -> jax.Array | tuple[jax.Array, GatedState]:
+  """The delta rule (DeltaNet; Gated DeltaNet with ``log_decay``).
+
+  ``S' = exp(g_t) S_{t-1}``, ``u_t = β_t (v_t - S'ᵀ k_t)``,
+  ``S_t = S' + k_t u_tᵀ``, ``o_t = scale · q_tᵀ S_t``: each write replaces
+  part of what the key already stores. The keys are used as given (the
+  papers' layers L2-normalise them first).
+
+  Args:
+    query: ``[B, T, N, H]`` (or unbatched ``[T, N, H]``).
+    key: ``[B, S, K, H]``; K must divide N.
+    value: ``[B, S, K, D]``.
+    beta: ``[B, S, K]`` write strengths in [0, 1] (checked where concrete: not under
+      ``jax.jit``).
+    log_decay: optional ``g`` ``[B, S, K]``, ≤ 0 (None: no decay, DeltaNet); checked
+      where concrete.
+    scale: multiplies the query (a static float); default ``1 / sqrt(H)``.
+    is_causal: must be True (a recurrence); the default False raises, as for every
+      causal-only variant.
+    key_value_seq_lengths: optional ``[B]``: keys at or past it are identity steps.
+    initial_state: a :class:`GatedState` to continue from, or a
+      :class:`DeltaSummary` (continued from its ``kv``).
+    return_state: also return the final state: a :class:`GatedState`, or for a
+      summary ``initial_state`` that summary followed by these keys.
+    implementation: ``"reference"`` (token by token, every state kept), ``"scan"``
+      (token by token on ``lax.scan``) or ``"chunked"`` (the default: the
+      WY/UT chunk form, one unit triangular inverse per chunk).
+    chunk_size: positions per chunk of ``"scan"`` and ``"chunked"``.
+      None: the default backend's measured best, 64 on CPU and 256 on GPU.
+
+  Returns:
+    ``[B, T, N, D]`` in the input dtype; with ``return_state`` the pair
+    ``(out, state)``. T ≠ S is bottom-right aligned.
+
+  Raises:
+    ValueError: for ``is_causal=False``, bad shapes or dtypes of the arrays,
+      ``beta`` or ``log_decay``, values out of their ranges (where concrete), a traced
+      ``scale``, an unknown implementation, a bad ``chunk_size`` or a state that does
+      not match.
+
+  Examples:
+    >>> x = jax.random.normal(jax.random.key(0), (1, 16, 2, 8))  # [B, T, N=K, H=D]
+    >>> k = x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+    >>> la.delta_rule_attention(x, k, x, jnp.full((1, 16, 2), 0.5), is_causal=True).shape
+    (1, 16, 2, 8)
+
+  References:
+    Yang et al., "Parallelizing Linear Transformers with the Delta Rule over
+    Sequence Length", 2024. Yang, Kautz and Hatamizadeh, "Gated Delta
+    Networks: Improving Mamba2 with Delta Rule", 2025.
+  """
+  return _delta(query, key, value, beta, log_decay=log_decay, scale=scale, is_causal=is_causal,
+                key_value_seq_lengths=key_value_seq_lengths, initial_state=initial_state,
+                return_state=return_state, implementation=implementation,
+                chunk_size=chunk_size, fn="delta_rule_attention")
+
+
+def _delta(query, key, value, beta, *, log_decay=None, fn: str, **options):
+  return recurrence.recurrent_attention(DeltaFamily(), query, key, value,
+                                        inputs={"beta": beta, "log_decay": log_decay}, fn=fn,
+                                        **options)
+
+
+def delta_rule_attention_step(state: GatedState, query: ArrayLike, key: ArrayLike,
+                              value: ArrayLike, beta: ArrayLike, *,
+                              log_decay: ArrayLike | None = None,
+                              scale: float | None = None) -> tuple[GatedState, jax.Array]:
+  """One decoding step of :func:`delta_rule_attention`.
+
+  ``S' = exp(g) S``, ``u = β (v - S'ᵀ k)``, ``S <- S' + k uᵀ``, ``o = scale · qᵀ S``.
+
+  Args:
+    state: the :class:`GatedState` so far (``kv [B, K, H, D]``).
+    query: ``[B, N, H]`` (no B when unbatched, like the state).
+    key: ``[B, K, H]``.
+    value: ``[B, K, D]``.
+    beta: ``[B, K]`` in [0, 1].
+    log_decay: optional ``[B, K]``, ≤ 0.
+    scale: multiplies the query; default ``1 / sqrt(H)``.
+
+  Returns:
+    ``(state, out [B, N, D])``, the state in the dtype it came in.
+
+  Raises:
+    ValueError: on ranks or shapes that do not match each other or the state.
+
+  Examples:
+    >>> state = la.init_gated_state(batch=1, num_kv_heads=2, head_dim=4, value_dim=4)
+    >>> x = jnp.ones((1, 2, 4)) / 2  # [B, N=K, H=D]; a unit key
+    >>> state, out = la.delta_rule_attention_step(state, x, x, x, jnp.ones((1, 2)))
+    >>> bool(jnp.allclose(state.kv[0, 0].T @ x[0, 0], x[0, 0]))  # β = 1 stores v at k
+    True
+
+  References:
+    Yang et al., "Parallelizing Linear Transformers with the Delta Rule over
+    Sequence Length", 2024.
+  """
+  return one_token(delta_rule_attention, state, query, key, value,
+                    {"beta": beta, "log_decay": log_decay}, scale=scale)
+
+
+
+# The oracle --------------------------------------------------------------------------------
+
+
+def _delta_reference(S0, chunk: recurrence.Chunk):
+  """The delta rule token by token, written out: one ``lax.scan`` step per key (every
+  key's state kept, ``[S, B, K, H, D]``: small S only), then each query reads its own."""
+  chunk = aligned(chunk)
+  T, S = chunk.num_queries, chunk.num_keys
+
+  def token(state, x):
+    k, v, g, beta = x  # [B, K, H], [B, K, D], [B, K, 1], [B, K, 1]
+    state = jnp.exp(g)[..., None] * state
+    u = beta * (v - jnp.einsum("bkh,bkhd->bkd", k, state))
+    state = state + jnp.einsum("bkh,bkd->bkhd", k, u)
+    return state, state
+
+  keys = tuple(jnp.moveaxis(x, 2, 0) for x in (chunk.fk, chunk.v, *chunk.gates))
+  state, states = lax.scan(token, S0, keys)
+  return jnp.einsum("bkgth,tbkhd->bkgtd", chunk.fq, states[S - T:]), state
+
+
+
+def delta_rule_attention_reference(query: ArrayLike, key: ArrayLike, value: ArrayLike,
+                                   beta: ArrayLike, **options: Any):
+  """The oracle of :func:`delta_rule_attention`: the token recurrence written out.
+
+  One step per key, keeping every state (small S only), float32. Takes the arrays
+  ``[B, T, N, H]``, ``[B, S, K, H]``, ``[B, S, K, D]``, ``[B, S, K]`` and the
+  options of :func:`delta_rule_attention` but ``implementation``.
+
+  Raises:
+    ValueError: as :func:`delta_rule_attention`, under this name.
+
+  Examples:
+    >>> x = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))
+    >>> beta = jnp.full((1, 8, 2), 0.5)
+    >>> fast = la.delta_rule_attention(x, x, x, beta)
+    >>> bool(jnp.allclose(fast, la.delta_rule_attention_reference(x, x, x, beta), atol=1e-5))
+    True
+
+  References:
+    Yang et al., "Parallelizing Linear Transformers with the Delta Rule over
+    Sequence Length", 2024.
+  """
+  options = reference_options(delta_rule_attention, options, fn="delta_rule_attention_reference")
+  return _delta(query, key, value, beta, implementation="reference",
+                fn="delta_rule_attention_reference", **options)
+
+
+# Summaries, their combine and the registry entries ----------------------------------------
+
+
+def combine_delta(earlier: Any, later: Any) -> Any:
+  """The summary of ``earlier``'s keys followed by ``later``'s (``delta_net``'s and
+  ``gated_delta_net``'s ``combine``): ``(B_e, A_e) ∘ (B_l, A_l) = (A_l B_e + B_l, A_l A_e)``.
+
+  Associative, so summaries of consecutive spans combine into the summary of all.
+  ``earlier`` may also be a :class:`GatedState` (the state of the keys so far): the
+  result is then the state after ``later``'s keys.
+
+  Raises:
+    ValueError: for other or mixed types, or fields whose shapes differ.
+  """
+  kv = check_summaries(earlier, later, DeltaSummary)
+  kv = jnp.einsum("...hi,...id->...hd", later.transition, kv) + later.kv
+  if type(earlier) is GatedState:
+    return GatedState(kv)
+  return DeltaSummary(kv, jnp.einsum("...hi,...ij->...hj", later.transition, earlier.transition))
+
+
+def _identity(key: Any, value: Any) -> DeltaSummary | None:
+  """The :class:`DeltaSummary` of no keys (zero ``kv``, identity transition)."""
+  empty = empty_kv(key, value)
+  if empty is None:
+    return None
+  kv, lead, dtype = empty
+  H = kv.shape[-2]
+  eye = jnp.eye(H, dtype=dtype).reshape((1,) * (len(lead) + 1) + (H, H))
+  return DeltaSummary(kv, jnp.zeros_like(kv, shape=kv.shape[:-1] + (H,)) + eye)
+
+
+def _summarize(key: Any, value: Any, beta: Any, *, log_decay: Any = None,
+               key_value_seq_lengths: Any = None, chunk_size: int | None = None) -> DeltaSummary:
+  """The :class:`DeltaSummary` of ``key [B, S, K, H]`` / ``value [B, S, K, D]`` (the
+  recurrence run from the identity summary, as :class:`DeltaSummary` says)."""
+  return recurrence.summarize_keys(delta_rule_attention, key, value, beta=beta,
+                                   log_decay=log_decay, chunk_size=chunk_size,
+                                   initial_state=_identity(key, value),
+                                   key_value_seq_lengths=key_value_seq_lengths)
+
+
+def _register(name: str, token_inputs: tuple[TokenInput, ...]) -> None:
+  register_matrix(name, family=DeltaFamily(), function=delta_rule_attention,
+                  reference=delta_rule_attention_reference, step=delta_rule_attention_step,
+                  summarize=_summarize, identity=_identity, combine=combine_delta,
+                  token_inputs=token_inputs)
+
+
+_register("delta_net", (TokenInput("beta", Role.WRITE_STRENGTH),))
+_register("gated_delta_net", (TokenInput("beta", Role.WRITE_STRENGTH),
+                              TokenInput("log_decay", Role.DECAY)))
