@@ -41,7 +41,6 @@ from linattn_jax._src.gated import (
     check_summaries,
     empty_kv,
     one_token,
-    reference_options,
     register_matrix,
     segment_sums,
     suffix_sums,
@@ -356,8 +355,12 @@ def _delta_reference(S0, chunk: recurrence.Chunk):
 
 
 
-def delta_rule_attention_reference(query: ArrayLike, key: ArrayLike, value: ArrayLike,
-                                   beta: ArrayLike, **options: Any):
+def delta_rule_attention_reference(
+    query: ArrayLike, key: ArrayLike, value: ArrayLike, beta: ArrayLike, *,
+    log_decay: ArrayLike | None = None, scale: float | None = None, is_causal: bool = False,
+    key_value_seq_lengths: ArrayLike | None = None, initial_state: GatedState | None = None,
+    return_state: bool = False, chunk_size: int | None = None,
+) -> jax.Array | tuple[jax.Array, GatedState]:
   """The oracle of :func:`delta_rule_attention`: the token recurrence written out.
 
   One step per key, keeping every state (small S only), float32. Takes the arrays
@@ -370,17 +373,19 @@ def delta_rule_attention_reference(query: ArrayLike, key: ArrayLike, value: Arra
   Examples:
     >>> x = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))
     >>> beta = jnp.full((1, 8, 2), 0.5)
-    >>> fast = la.delta_rule_attention(x, x, x, beta)
-    >>> bool(jnp.allclose(fast, la.delta_rule_attention_reference(x, x, x, beta), atol=1e-5))
+    >>> fast = la.delta_rule_attention(x, x, x, beta, is_causal=True)
+    >>> bool(jnp.allclose(fast, la.delta_rule_attention_reference(
+    ...     x, x, x, beta, is_causal=True), atol=1e-5))
     True
 
   References:
     Yang et al., "Parallelizing Linear Transformers with the Delta Rule over
     Sequence Length", 2024.
   """
-  options = reference_options(delta_rule_attention, options, fn="delta_rule_attention_reference")
-  return _delta(query, key, value, beta, implementation="reference",
-                fn="delta_rule_attention_reference", **options)
+  return _delta(query, key, value, beta, log_decay=log_decay, scale=scale, is_causal=is_causal,
+                key_value_seq_lengths=key_value_seq_lengths, initial_state=initial_state,
+                return_state=return_state, chunk_size=chunk_size, implementation="reference",
+                fn="delta_rule_attention_reference")
 
 
 # Summaries, their combine and the registry entries ----------------------------------------

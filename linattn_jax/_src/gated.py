@@ -60,7 +60,8 @@ class GatedState(NamedTuple):
 
   Examples:
     >>> x = jnp.ones((1, 4, 2, 8))  # [B, T, N=K, H=D]
-    >>> _, state = la.gated_linear_attention(x, x, x, jnp.zeros((1, 4, 2)), return_state=True)
+    >>> _, state = la.gated_linear_attention(x, x, x, jnp.zeros((1, 4, 2)), is_causal=True,
+    ...                                     return_state=True)
     >>> state.kv.shape  # [B, K, H, D]
     (1, 2, 8, 8)
   """
@@ -571,8 +572,12 @@ def _gla_reference(S0, chunk: recurrence.Chunk):
 
 
 
-def gated_linear_attention_reference(query: ArrayLike, key: ArrayLike, value: ArrayLike,
-                                     log_decay: ArrayLike, **options: Any):
+def gated_linear_attention_reference(
+    query: ArrayLike, key: ArrayLike, value: ArrayLike, log_decay: ArrayLike, *,
+    scale: float | None = None, is_causal: bool = False,
+    key_value_seq_lengths: ArrayLike | None = None, initial_state: GatedState | None = None,
+    return_state: bool = False, chunk_size: int | None = None,
+) -> jax.Array | tuple[jax.Array, GatedState]:
   """The oracle of :func:`gated_linear_attention`: ``(Q Kᵀ ⊙ Γ) V`` at once, float32.
 
   ``Γ_ij = exp(G_i - G_j)`` for the prefix sums ``G`` of ``log_decay`` (moderate
@@ -586,30 +591,19 @@ def gated_linear_attention_reference(query: ArrayLike, key: ArrayLike, value: Ar
   Examples:
     >>> x = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))
     >>> g = jnp.full((1, 8, 2), -0.1)
-    >>> fast = la.gated_linear_attention(x, x, x, g)
-    >>> bool(jnp.allclose(fast, la.gated_linear_attention_reference(x, x, x, g), atol=1e-5))
+    >>> fast = la.gated_linear_attention(x, x, x, g, is_causal=True)
+    >>> bool(jnp.allclose(fast, la.gated_linear_attention_reference(
+    ...     x, x, x, g, is_causal=True), atol=1e-5))
     True
 
   References:
     Yang et al., "Gated Linear Attention Transformers with Hardware-Efficient
     Training", 2024.
   """
-  options = reference_options(gated_linear_attention, options,
-                              fn="gated_linear_attention_reference")
-  return _gated(query, key, value, log_decay, implementation="reference",
-                fn="gated_linear_attention_reference", **options)
-
-
-def reference_options(function: Callable[..., Any], options: Mapping[str, Any], *,
-                      fn: str) -> dict[str, Any]:
-  """``options`` checked to be ``function``'s keyword options but ``implementation``
-  (an oracle takes the same options as its function, less how to compute)."""
-  allowed = {n for n, p in inspect.signature(function).parameters.items()
-             if p.kind is p.KEYWORD_ONLY} - {"implementation"}
-  unknown = sorted(set(options) - allowed)
-  if unknown:
-    raise ValueError(f"{fn}: unknown options {unknown}; options are {sorted(allowed)}.")
-  return dict(options)
+  return _gated(query, key, value, log_decay, scale=scale, is_causal=is_causal,
+                key_value_seq_lengths=key_value_seq_lengths, initial_state=initial_state,
+                return_state=return_state, chunk_size=chunk_size, implementation="reference",
+                fn="gated_linear_attention_reference")
 
 
 # Summaries, their combine and the registry entries ----------------------------------------
