@@ -4,7 +4,8 @@
 
 Both form the ``[B, N, T, S]`` scores. The public dispatcher
 (``softmax.softmax_attention``) and the blockwise form (``flash``) build on
-this module; sparse patterns use the oracle for their ``reference`` path.
+this module; sparse patterns use the oracle for their ``reference`` path, and
+local's decoding step the XLA path.
 
 Letters: B batch, T query length, S key length, N query heads, K key/value
 heads (G = N // K), H query/key head dim, D value head dim.

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -109,6 +109,18 @@ class FlashConfig:
     return lo, hi
 
 
+class Residuals(NamedTuple):
+  """What the forward pass saves for :func:`backward` (internal layout)."""
+
+  q: jax.Array  # [B, K, G, T, H]
+  k: jax.Array  # [B, K, S, H]
+  v: jax.Array  # [B, K, S, D]
+  out: jax.Array  # [B, K, G, T, D] in the input dtype.
+  lse: jax.Array  # [B, K, G, T] in the accumulation dtype; -inf for a row with no key.
+  q_len: jax.Array | None  # [B] int32, or None: every query row counts.
+  kv_len: jax.Array | None  # [B] int32, or None: every key counts.
+
+
 def _scores(cfg: FlashConfig, q_blk, k_blk, i, j, q_len, kv_len) -> jax.Array:
   """Masked, scaled scores (accumulation dtype) ``[B, K, G, bq, bk]`` of one block pair."""
   acc = checks.accumulation_dtype(q_blk.dtype)
@@ -145,8 +157,9 @@ def forward(cfg: FlashConfig, q, k, v, q_len, kv_len):
   return merge_blocks(out, 3, cfg.T).astype(q.dtype), merge_blocks(lse, 3, cfg.T)
 
 
-def backward(cfg: FlashConfig, residuals, d_out):
-  """``(dq, dk, dv, None, None)`` from ``residuals = (q, k, v, out, lse, q_len, kv_len)``
+def backward(cfg: FlashConfig, residuals: Residuals,
+             d_out: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """``(dq, dk, dv)`` from the saved :class:`Residuals` and ``d_out [B, K, G, T, D]``
   (FlashAttention-2's backward: P recomputed per block pair from the saved lse)."""
   q, k, v, out, lse, q_len, kv_len = residuals
   acc = checks.accumulation_dtype(q.dtype)
@@ -163,9 +176,8 @@ def backward(cfg: FlashConfig, residuals, d_out):
 
   # dK and dV are accumulated transposed, [H, C] and [D, C]: as ``q_blockᵀ · dS`` and
   # ``dO_blockᵀ · P`` the products read the [Q, C] blocks as they lie, and only the small
-  # query-side blocks are transposed. As ``dSᵀ · q`` XLA:CPU copied every [Q, C] block
-  # transposed first: 520 of 1361 ms, forward + backward, in a profile (causal, T = 8192,
-  # 4 heads of 64).
+  # query-side blocks are transposed (as ``dSᵀ · q`` XLA:CPU copied every [Q, C] block
+  # transposed first). Timings: docs/benchmarks.md, "Flash against XLA".
   def one_key_block(d_q, args):
     j, k_blk, v_blk = args
     k_acc, v_acc = k_blk.astype(acc), v_blk.astype(acc)
@@ -196,7 +208,7 @@ def backward(cfg: FlashConfig, residuals, d_out):
   d_q = merge_blocks(d_q, 3, cfg.T).astype(q.dtype)
   d_k = merge_blocks(d_k, 2, cfg.S).astype(k.dtype)
   d_v = merge_blocks(d_v, 2, cfg.S).astype(v.dtype)
-  return d_q, d_k, d_v, None, None
+  return d_q, d_k, d_v
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -206,10 +218,14 @@ def _flash(cfg: FlashConfig, q, k, v, q_len, kv_len):
 
 def _flash_fwd(cfg: FlashConfig, q, k, v, q_len, kv_len):
   out, lse = forward(cfg, q, k, v, q_len, kv_len)
-  return out, (q, k, v, out, lse, q_len, kv_len)
+  return out, Residuals(q, k, v, out, lse, q_len, kv_len)
 
 
-_flash.defvjp(_flash_fwd, backward)
+def _flash_bwd(cfg: FlashConfig, residuals: Residuals, d_out):
+  return *backward(cfg, residuals, d_out), None, None  # The lengths have no gradient.
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
 
 
 def flash_attention_4d(

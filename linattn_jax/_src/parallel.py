@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -487,15 +487,30 @@ def _attend(ring: _Ring, blocks: tuple[_Block, ...], j, q, k, v, lengths) -> Sof
   return carry
 
 
-def _gradients(ring: _Ring, blocks: tuple[_Block, ...], j, q, k, v, out, lse, d_out, lengths):
-  """This step's ``(dq, dk, dv)`` (FlashAttention-2 backward with the final out and lse)."""
+class _RingResiduals(NamedTuple):
+  """What the ring's forward pass saves for its backward (one device's share)."""
+
+  q: jax.Array  # [B, K, G, L, H]
+  k: jax.Array  # [B, K, L, H]: in the backward, the keys of the device a step visits.
+  v: jax.Array  # [B, K, L, D]
+  out: jax.Array  # [B, K, G, L, D] in the accumulation dtype.
+  lse: jax.Array  # [B, K, G, L]
+  lengths: jax.Array  # [B] int32: visible keys of the whole sequence.
+
+
+def _gradients(ring: _Ring, blocks: tuple[_Block, ...], j, res: _RingResiduals, d_out):
+  """This step's ``(dq, dk, dv)`` against device j's keys ``res.k``, ``res.v``
+  (FlashAttention-2 backward with the final out and lse; ``d_out [B, K, G, L, D]``)."""
+  q, k, v = res.q, res.k, res.v
   L = q.shape[3]
   dq, dk, dv = jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
   for block in blocks:
     r = block.rows
-    res = (_rows(q, r, 3), _rows(k, block.keys, 2), _rows(v, block.keys, 2), _rows(out, r, 3),
-           _rows(lse, r, 3), None, _kv_lengths(ring, block, j, lengths))
-    g_q, g_k, g_v, _, _ = flash.backward(ring.flash_config(block), res, _rows(d_out, r, 3))
+    block_res = flash.Residuals(
+        q=_rows(q, r, 3), k=_rows(k, block.keys, 2), v=_rows(v, block.keys, 2),
+        out=_rows(res.out, r, 3), lse=_rows(res.lse, r, 3), q_len=None,
+        kv_len=_kv_lengths(ring, block, j, res.lengths))
+    g_q, g_k, g_v = flash.backward(ring.flash_config(block), block_res, _rows(d_out, r, 3))
     dq = dq + _place(g_q, r, L, 3, 0)
     dk = dk + _place(g_k, block.keys, L, 2, 0)
     dv = dv + _place(g_v, block.keys, L, 2, 0)
@@ -546,24 +561,25 @@ def _ring(ring: _Ring, q, k, v, lengths):
 
 def _ring_fwd(ring: _Ring, q, k, v, lengths):
   out, lse = _ring_forward(ring, q, k, v, lengths)
-  return out.astype(q.dtype), (q, k, v, out, lse, lengths)
+  return out.astype(q.dtype), _RingResiduals(q, k, v, out, lse, lengths)
 
 
-def _ring_bwd(ring: _Ring, residuals, d_out):
-  q, k, v, out, lse, lengths = residuals
-  acc = out.dtype
+def _ring_bwd(ring: _Ring, residuals: _RingResiduals, d_out):
+  q, k, v = residuals.q, residuals.k, residuals.v
+  acc = residuals.out.dtype
   i = lax.axis_index(ring.axis_name)
-  qa, do = q.astype(acc), d_out.astype(acc)
+  do = d_out.astype(acc)
+  # In the accumulation dtype; each step puts in the keys and values it visits.
+  res = residuals._replace(q=q.astype(acc))
+  visiting = lambda k, v: res._replace(k=k.astype(acc), v=v.astype(acc))  # noqa: E731
   blocks = ring.blocks(step0=True)[0]
-  dq, dk, dv = _gradients(ring, blocks, i, qa, k.astype(acc), v.astype(acc), out, lse, do,
-                          lengths)
+  dq, dk, dv = _gradients(ring, blocks, i, visiting(k, v), do)
 
   def step(carry, s):
     dq, k, v, dk, dv = carry
     k, v, dk, dv = _rotate((k, v, dk, dv), ring)  # The gradients travel with their keys.
     j = (i - s) % ring.devices
-    g_q, g_k, g_v = _step(ring, False, _gradients, qa, k.astype(acc), v.astype(acc), out, lse,
-                          do, lengths)(j)
+    g_q, g_k, g_v = _step(ring, False, _gradients, visiting(k, v), do)(j)
     return (dq + g_q, k, v, dk + g_k, dv + g_v), None
 
   if ring.devices > 1:

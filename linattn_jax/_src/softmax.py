@@ -19,23 +19,15 @@ from linattn_jax._src import checks, dense
 from linattn_jax._src.dense import CausalAlignment, softmax_attention_reference
 from linattn_jax._src.flash import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, flash_attention_4d
 from linattn_jax._src.registry import AttentionSpec, register_attention
+from linattn_jax._src.sparse import local_attention
 
 SoftmaxImplementation = Literal["reference", "xla", "flash"]
 IMPLEMENTATIONS: tuple[str, ...] = typing.get_args(SoftmaxImplementation)
 
-# `implementation=None` runs flash where it was measured faster than XLA's path:
-# from T·S scores per head given here per backend. CPU: flash / XLA time from
-# `python -m experiments.benchmark --variants=softmax --implementations=xla,flash
-# --modes=forward,backward --nomatmul_baseline` (B = 1, N = 8, H = 64, causal), two
-# runs with --lengths=256,512,1024 and two with --lengths=128,256,512: at T = 128 0.74,
-# 0.80 forward and 0.62, 0.80 forward+backward; at 256 0.73-0.79 and 0.61-0.79; at 512
-# no consistent winner (0.95-1.16 and 0.80-1.03); at 1024 0.25-0.27 and 0.35-0.38.
-# Shorter sequences are not measured and keep XLA's path.
-# GPU (H200, the same command with --lengths=1024,4096,16384, one run): flash took
-# 2.2-2.3x XLA's time forward and 1.8-2.2x forward+backward at every length, so GPU is
-# not listed. Backends not listed (GPU; TPU, not measured) keep XLA's fused path until
-# the [B, N, T, S] float32 scores would pass FLASH_THRESHOLD_ELEMENTS (2 GiB), where
-# flash's O(T) memory decides.
+# `implementation=None` runs flash from FLASH_MIN_SCORES scores per head (T·S) on the backends
+# where it was measured faster than XLA's path: docs/benchmarks.md, "Flash against XLA". Other
+# backends keep XLA's fused path until the [B, N, T, S] float32 scores would pass
+# FLASH_THRESHOLD_ELEMENTS (2 GiB), where flash's O(T) memory decides.
 FLASH_MIN_SCORES: dict[str, int] = {"cpu": 128 * 128}
 FLASH_THRESHOLD_ELEMENTS = 2**29
 
@@ -165,7 +157,6 @@ def softmax_attention(
   aligned = a.offset == S - T  # The bottom-right alignment every other path uses.
   if implementation is None and a.window is not None:
     if not general and aligned and a.query_seq_lengths is None:
-      from linattn_jax._src.sparse import local_attention  # sparse builds on this module.
       return a.prepared.restore(local_attention(
           *a.prepared[:3], window_size=a.window, is_causal=a.is_causal, scale=a.scale,
           key_value_seq_lengths=a.key_value_seq_lengths))

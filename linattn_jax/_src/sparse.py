@@ -35,12 +35,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from linattn_jax._src import checks
+from linattn_jax._src import checks, dense
 from linattn_jax._src import masks as masks_lib
 from linattn_jax._src.dense import softmax_attention_reference
 from linattn_jax._src.gather import Plan, RowKeys, attend, block_table, dedupe, tile_rows
 from linattn_jax._src.registry import AttentionSpec, StreamingSpec, accepted, register_attention
-from linattn_jax._src.softmax import softmax_attention
 
 SparseImplementation = Literal["reference", "blocked"]
 IMPLEMENTATIONS: tuple[str, ...] = typing.get_args(SparseImplementation)
@@ -355,8 +354,10 @@ def local_attention_step(state: LocalState, query: jax.Array, key: jax.Array, va
                                                slot, 1)
   filled = jnp.arange(W) <= state.position  # Slots written so far.
   # The production dense path (jax.nn's XLA attention); oracles are for tests only.
-  out = softmax_attention(query[:, None], keys, values, mask=filled[None, None, None, :],
-                          scale=scale, implementation="xla")
+  a = dense.prepare(query[:, None], keys, values, bias=None, mask=filled[None, None, None, :],
+                    is_causal=False, scale=scale, query_seq_lengths=None,
+                    key_value_seq_lengths=None, fn=fn)
+  out = dense.xla(a)  # [B, 1, N, D]
   if not batched:
     return LocalState(keys[0], values[0], state.position + 1), out[0, 0]
   return LocalState(keys, values, state.position + 1), out[:, 0]

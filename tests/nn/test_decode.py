@@ -19,7 +19,8 @@ import pytest
 from flax import nnx
 
 from linattn_jax import nn
-from linattn_jax._src import gather, layers, sparse
+from linattn_jax._src import gather, sparse
+from linattn_jax._src.nn import cache as nn_cache
 from linattn_jax._src.registry import get_spec
 
 B, IN, N, K = 2, 16, 4, 2  # GQA: two query heads per key/value head; H = IN / N = 4.
@@ -117,7 +118,7 @@ def test_sparse_decode_rows_follow_the_pattern_not_the_capacity():
 
 def test_sparse_decode_past_the_dense_pattern_cap():
   """A cache beyond MAX_PATTERN_CAPACITY decodes (strided and longformer), exactly."""
-  steps, capacity = (1, 3, 1), layers.MAX_PATTERN_CAPACITY + 64
+  steps, capacity = (1, 3, 1), nn_cache.MAX_PATTERN_CAPACITY + 64
   P = capacity - sum(steps) - 3  # Decode the last positions but three.
   for name, options in (("strided", {"stride": 64, "window_size": (32, 0)}),
                         ("longformer", {"window_size": (32, 0), "global_positions": (0, 5000)})):

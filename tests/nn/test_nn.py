@@ -14,7 +14,7 @@ from flax import linen, nnx
 
 import linattn_jax as la
 from linattn_jax import nn
-from linattn_jax._src import layers
+from linattn_jax._src.nn import attention
 from linattn_jax._src.registry import get_spec
 
 B, T, IN, N, K = 2, 11, 16, 4, 2  # GQA: two query heads per key/value head.
@@ -37,7 +37,7 @@ def test_gate_projections_follow_the_declared_inputs_and_others_are_refused(monk
   """The layer reads what to project off the spec's extra_inputs: a new variant declaring a
   per-head log_decay gets the Mamba2 gate; an input it has no projection for is named."""
   custom = dataclasses.replace(get_spec("simple_gla"), name="custom_gated")
-  monkeypatch.setattr(layers, "get_spec", lambda name: custom)
+  monkeypatch.setattr(attention, "get_spec", lambda name: custom)
   layer = nn.MultiHeadAttention(N, IN, num_kv_heads=K, attention="custom_gated",
                                 rngs=nnx.Rngs(0))
   assert {"a_kernel", "A_log", "dt_bias"} <= set(nnx.state(layer, nnx.Param))

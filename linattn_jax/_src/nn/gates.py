@@ -1,0 +1,126 @@
+"""Gate and beta projections: a gated recurrence's per-token inputs, from the layer's input.
+
+What the layer projects is read off the variant's ``AttentionSpec.extra_inputs``
+(names and shapes), never off its name: a log-decay per kv head
+``[B, S, K]`` gets Mamba2's parameterisation, ``-exp(A_log) softplus(x W_a +
+dt_bias)``; one per key feature ``[B, S, K, H]`` GLA's low-rank gate,
+``log_sigmoid(x W_1 W_2 + b) / GLA_GATE_NORMALIZER``. A variant taking a
+``beta [B, S, K]`` is a delta rule: ``beta = sigmoid(x W_b)``, and its queries
+and keys are L2-normalised per head. The parameters are the layer's own
+``nnx.Param`` attributes, under the names :attr:`GateProjections.names`.
+Letters: B batch, S key length, K key/value heads, H head dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.typing import Dtype, Initializer, PrecisionLike
+from jax import lax
+
+from linattn_jax._src.registry import AttentionSpec
+
+# The decay projection for each declared log_decay shape.
+_DECAY_PROJECTIONS = {"[B, S, K]": "mamba2", "[B, S, K, H]": "low_rank"}
+_DECAY_PARAMS = {"mamba2": ("a_kernel", "A_log", "dt_bias"),
+                 "low_rank": ("gk_kernel_1", "gk_kernel_2", "gk_bias"), None: ()}
+GLA_GATE_RANK = 16  # GLA's low-rank gate: W_1 [in, 16], W_2 [16, K·H].
+GLA_GATE_NORMALIZER = 16.0  # GLA divides the log-sigmoid gate by 16: decays near 1.
+
+
+@dataclasses.dataclass(frozen=True)
+class GateProjections:
+  """The projections a layer makes for one variant's per-token inputs.
+
+  Attributes:
+    decay: ``"mamba2"`` (``log_decay [B, S, K]``), ``"low_rank"`` (``log_decay
+      [B, S, K, H]``) or None (no decay input).
+    beta: whether the variant takes ``beta [B, S, K]`` (a delta rule).
+  """
+
+  decay: str | None
+  beta: bool
+
+  @classmethod
+  def for_spec(cls, spec: AttentionSpec, fn: str) -> GateProjections | None:
+    """The projections for ``spec``'s ``extra_inputs``; None for a variant without any.
+
+    Raises:
+      ValueError: for inputs the layer has no projection for (named, with ``fn``).
+    """
+    if not spec.extra_inputs:
+      return None
+    inputs = dict(spec.extra_inputs)
+    if (set(inputs) - {"log_decay", "beta"} or inputs.get("beta", "[B, S, K]") != "[B, S, K]"
+        or inputs.get("log_decay", "[B, S, K]") not in _DECAY_PROJECTIONS):
+      given = ", ".join(f"{name} {shape}" for name, shape in spec.extra_inputs)
+      raise ValueError(f"{fn}: attention={spec.name!r} needs per-token inputs ({given}) that "
+                       "this layer has no projection for (it projects log_decay [B, S, K] or "
+                       "[B, S, K, H] and beta [B, S, K]); call the function with them instead.")
+    return cls(_DECAY_PROJECTIONS.get(inputs.get("log_decay")), "beta" in inputs)
+
+  @property
+  def names(self) -> tuple[str, ...]:
+    """The names of the parameters, as the layer's attributes."""
+    return _DECAY_PARAMS[self.decay] + (("b_kernel",) if self.beta else ())
+
+  def init(self, rngs: nnx.Rngs, kernel_init: Initializer, bias_init: Initializer, *,
+           in_features: int, num_kv_heads: int, head_dim: int,
+           dtype: Dtype) -> dict[str, jax.Array]:
+    """The parameters, drawn from ``rngs.params`` in a fixed order (name -> array).
+
+    ``a_kernel`` W_a ``[in, K]``, ``A_log [K]`` = log(U(1, 16)), ``dt_bias [K]``
+    the inverse softplus of a log-uniform dt in [0.001, 0.1]; ``gk_kernel_1``
+    ``[in, 16]``, ``gk_kernel_2`` ``[16, K·H]``, ``gk_bias [K·H]``; ``b_kernel``
+    ``[in, K]``. Kernels from ``kernel_init``, ``gk_bias`` from ``bias_init``.
+    """
+    F, K, H = in_features, num_kv_heads, head_dim
+    params = {}
+    if self.decay == "mamba2":
+      params["a_kernel"] = kernel_init(rngs.params(), (F, K), dtype)
+      params["A_log"] = jnp.log(jax.random.uniform(rngs.params(), (K,), jnp.float32,
+                                                   1.0, 16.0)).astype(dtype)
+      dt = jnp.exp(jax.random.uniform(rngs.params(), (K,), jnp.float32,
+                                      math.log(1e-3), math.log(1e-1)))
+      # Inverse softplus: softplus(dt_bias) = dt.
+      params["dt_bias"] = (dt + jnp.log(-jnp.expm1(-dt))).astype(dtype)
+    elif self.decay == "low_rank":
+      params["gk_kernel_1"] = kernel_init(rngs.params(), (F, GLA_GATE_RANK), dtype)
+      params["gk_kernel_2"] = kernel_init(rngs.params(), (GLA_GATE_RANK, K * H), dtype)
+      params["gk_bias"] = bias_init(rngs.params(), (K * H,), dtype)
+    if self.beta:
+      params["b_kernel"] = kernel_init(rngs.params(), (F, K), dtype)
+    return params
+
+  def __call__(self, params: Mapping[str, jax.Array], x: jax.Array, *, num_kv_heads: int,
+               head_dim: int, precision: PrecisionLike = None) -> dict[str, jax.Array]:
+    """The per-token inputs from the key/value input ``x [..., S, in_kv]``: ``log_decay
+    [..., S, K]`` (``[..., S, K, H]`` for the low-rank gate) ≤ 0 and ``beta [..., S, K]`` in
+    (0, 1), float32."""
+    f32 = jnp.float32
+    x = jnp.asarray(x, f32)
+    param = lambda name: params[name].astype(f32)  # noqa: E731
+    per_row = lambda a: a.reshape((1,) * (x.ndim - 1) + a.shape)  # noqa: E731  [K] -> [1.., K]
+    dot = lambda a, b: jnp.matmul(a, b, precision=precision)  # noqa: E731
+    gates = {}
+    if self.decay == "mamba2":
+      dt = jax.nn.softplus(dot(x, param("a_kernel")) + per_row(param("dt_bias")))
+      gates["log_decay"] = -jnp.exp(per_row(param("A_log"))) * dt
+    elif self.decay == "low_rank":
+      logit = dot(dot(x, param("gk_kernel_1")), param("gk_kernel_2")) + per_row(param("gk_bias"))
+      gates["log_decay"] = (jax.nn.log_sigmoid(logit) / GLA_GATE_NORMALIZER).reshape(
+          x.shape[:-1] + (num_kv_heads, head_dim))
+    if self.beta:
+      gates["beta"] = jax.nn.sigmoid(dot(x, param("b_kernel")))
+    return gates
+
+
+def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+  """``x / sqrt(Σ_h x_h² + eps)`` over the last axis H, computed in float32."""
+  x32 = x.astype(jnp.float32)
+  return (x32 * lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
