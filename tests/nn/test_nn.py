@@ -21,7 +21,7 @@ B, T, IN, N, K = 2, 11, 16, 4, 2  # GQA: two query heads per key/value head.
 # A prompt, a step, a second chunk at a later position, then steps: every decode path.
 PIECES = (5, 1, 3, 1, 1)
 CAUSAL = [name for name in la.available_attentions() if get_spec(name).supports_causal]
-GATED = [name for name in la.available_attentions() if get_spec(name).extra_inputs]
+GATED = [name for name in la.available_attentions() if get_spec(name).token_inputs]
 # The gate parameters each gated variant's layer declares: name -> shape (H = IN // N).
 GATE_PARAMS = {
     "simple_gla": {"a_kernel": (IN, K), "A_log": (K,), "dt_bias": (K,)},
@@ -34,18 +34,18 @@ GATE_PARAMS = {
 
 
 def test_gate_projections_follow_the_declared_inputs_and_others_are_refused(monkeypatch):
-  """The layer reads what to project off the spec's extra_inputs: a new variant declaring a
-  per-head log_decay gets the Mamba2 gate; an input it has no projection for is named."""
+  """The layer reads what to project off the spec's token_inputs: a new variant declaring a
+  decay per head gets the Mamba2 gate; an input it has no projection for is named."""
   custom = dataclasses.replace(get_spec("simple_gla"), name="custom_gated")
   monkeypatch.setattr(attention, "get_spec", lambda name: custom)
   layer = nn.MultiHeadAttention(N, IN, num_kv_heads=K, attention="custom_gated",
                                 rngs=nnx.Rngs(0))
   assert {"a_kernel", "A_log", "dt_bias"} <= set(nnx.state(layer, nnx.Param))
-  custom = dataclasses.replace(custom, extra_inputs=(("log_decay", "[B, S, K]"),
-                                                     ("alpha", "[B, S, K]")))
+  custom = dataclasses.replace(custom, token_inputs=(
+      la.TokenInput("log_decay", la.Role.DECAY), la.TokenInput("alpha", la.Role.DECAY)))
   with pytest.raises(ValueError, match=r"attention='custom_gated' needs per-token inputs "
-                     r"\(log_decay \[B, S, K\], alpha \[B, S, K\]\) that this layer has no "
-                     r"projection for"):
+                     r"\(log_decay \[B, S, K\] \(decay\), alpha \[B, S, K\] \(decay\)\) that "
+                     r"this layer has no projection for"):
     nn.MultiHeadAttention(N, IN, num_kv_heads=K, attention="custom_gated", rngs=nnx.Rngs(0))
 
 
@@ -69,7 +69,7 @@ def test_gate_parameters_and_the_gates_they_make(name, monkeypatch):
   seen = {}
 
   def capture(*args, **kwargs):
-    seen.update({n: kwargs[n] for n, _ in spec.extra_inputs})
+    seen.update({x.name: kwargs[x.name] for x in spec.token_inputs})
     return spec.function(*args, **kwargs)
 
   spec = get_spec(name)
@@ -78,7 +78,7 @@ def test_gate_parameters_and_the_gates_they_make(name, monkeypatch):
   x_q = jax.random.normal(jax.random.key(9), (B, 5, IN))
   x_kv = 3 * jax.random.normal(jax.random.key(10), (B, S, IN))  # Cross: gates from x_kv.
   layer(x_q, x_kv, is_causal=True)
-  assert sorted(seen) == sorted(n for n, _ in spec.extra_inputs)
+  assert sorted(seen) == sorted(x.name for x in spec.token_inputs)
   H = IN // N
   if "log_decay" in seen:
     g = np.asarray(seen["log_decay"])

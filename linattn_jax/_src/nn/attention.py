@@ -152,7 +152,7 @@ class MultiHeadAttention(nnx.Module):
       that forms no weights, ``attention_fn`` with another variant, a
       ``context_parallel`` that is not a ``ContextParallel``, a variant
       ``context_parallel`` cannot run (the sparse patterns), or a
-      variant with per-token inputs (``AttentionSpec.extra_inputs``) the
+      variant with per-token inputs (``AttentionSpec.token_inputs``) the
       layer has no gate projections for (any but the gated recurrences above).
 
   Examples:
@@ -527,7 +527,7 @@ def _gated(layer: MultiHeadAttention, q: jax.Array, k: jax.Array, inputs_k: jax.
   projections = layer._gates
   if projections is None:
     return q, k, {}
-  if projections.beta:  # A delta rule: unit queries and keys.
+  if layer._spec.unit_keys:  # A delta rule's write strength wants unit queries and keys.
     q, k = l2_normalize(q), l2_normalize(k)
   gates = projections(layer._arrays(projections.names), inputs_k,
                       num_kv_heads=layer.num_kv_heads, head_dim=layer.head_dim,

@@ -1,13 +1,14 @@
 """Gate and beta projections: a gated recurrence's per-token inputs, from the layer's input.
 
-What the layer projects is read off the variant's ``AttentionSpec.extra_inputs``
-(names and shapes), never off its name: a log-decay per kv head
-``[B, S, K]`` gets Mamba2's parameterisation, ``-exp(A_log) softplus(x W_a +
-dt_bias)``; one per key feature ``[B, S, K, H]`` GLA's low-rank gate,
-``log_sigmoid(x W_1 W_2 + b) / GLA_GATE_NORMALIZER``. A variant taking a
-``beta [B, S, K]`` is a delta rule: ``beta = sigmoid(x W_b)``, and its queries
-and keys are L2-normalised per head. The parameters are the layer's own
-``nnx.Param`` attributes, under the names :attr:`GateProjections.names`.
+What the layer projects is read off the variant's ``AttentionSpec.token_inputs``
+(their roles and shapes), never off its name: a decay per kv head ``[B, S, K]``
+gets Mamba2's parameterisation, ``-exp(A_log) softplus(x W_a + dt_bias)``; one
+per key feature ``[B, S, K, H]`` GLA's low-rank gate,
+``log_sigmoid(x W_1 W_2 + b) / GLA_GATE_NORMALIZER``. A write strength
+``[B, S, K]`` (a delta rule's β) is ``sigmoid(x W_b)``, and since its role wants
+unit keys (``Role.unit_keys``) queries and keys are L2-normalised per head. The
+parameters are the layer's own ``nnx.Param`` attributes, under the names
+:attr:`GateProjections.names`.
 Letters: B batch, S key length, K key/value heads, H head dim.
 """
 
@@ -23,10 +24,10 @@ from flax import nnx
 from flax.typing import Dtype, Initializer, PrecisionLike
 from jax import lax
 
-from linattn_jax._src.registry import AttentionSpec
+from linattn_jax._src.registry import AttentionSpec, Role
 
-# The decay projection for each declared log_decay shape.
-_DECAY_PROJECTIONS = {"[B, S, K]": "mamba2", "[B, S, K, H]": "low_rank"}
+# The decay projection for a decay per head (False) or per key feature (True).
+_DECAY_PROJECTIONS = {False: "mamba2", True: "low_rank"}
 _DECAY_PARAMS = {"mamba2": ("a_kernel", "A_log", "dt_bias"),
                  "low_rank": ("gk_kernel_1", "gk_kernel_2", "gk_bias"), None: ()}
 GLA_GATE_RANK = 16  # GLA's low-rank gate: W_1 [in, 16], W_2 [16, K·H].
@@ -38,31 +39,41 @@ class GateProjections:
   """The projections a layer makes for one variant's per-token inputs.
 
   Attributes:
-    decay: ``"mamba2"`` (``log_decay [B, S, K]``), ``"low_rank"`` (``log_decay
-      [B, S, K, H]``) or None (no decay input).
-    beta: whether the variant takes ``beta [B, S, K]`` (a delta rule).
+    decay: ``"mamba2"`` (a decay per head), ``"low_rank"`` (a decay per key feature) or
+      None (no decay input).
+    beta: whether the variant takes a write strength per head (a delta rule).
+    decay_name: the decay input's keyword.
+    beta_name: the write strength's keyword.
   """
 
   decay: str | None
   beta: bool
+  decay_name: str = "log_decay"
+  beta_name: str = "beta"
 
   @classmethod
   def for_spec(cls, spec: AttentionSpec, fn: str) -> GateProjections | None:
-    """The projections for ``spec``'s ``extra_inputs``; None for a variant without any.
+    """The projections for ``spec``'s ``token_inputs`` (by their roles); None for a
+    variant without any.
 
     Raises:
       ValueError: for inputs the layer has no projection for (named, with ``fn``).
     """
-    if not spec.extra_inputs:
+    if not spec.token_inputs:
       return None
-    inputs = dict(spec.extra_inputs)
-    if (set(inputs) - {"log_decay", "beta"} or inputs.get("beta", "[B, S, K]") != "[B, S, K]"
-        or inputs.get("log_decay", "[B, S, K]") not in _DECAY_PROJECTIONS):
-      given = ", ".join(f"{name} {shape}" for name, shape in spec.extra_inputs)
+    by_role: dict[Role, list] = {}
+    for x in spec.token_inputs:
+      by_role.setdefault(x.role, []).append(x)
+    decays, writes = by_role.get(Role.DECAY, []), by_role.get(Role.WRITE_STRENGTH, [])
+    if len(decays) > 1 or len(writes) > 1 or any(x.per_feature for x in writes):
+      given = ", ".join(f"{x.name} {x.layout} ({x.role.value})" for x in spec.token_inputs)
       raise ValueError(f"{fn}: attention={spec.name!r} needs per-token inputs ({given}) that "
-                       "this layer has no projection for (it projects log_decay [B, S, K] or "
-                       "[B, S, K, H] and beta [B, S, K]); call the function with them instead.")
-    return cls(_DECAY_PROJECTIONS.get(inputs.get("log_decay")), "beta" in inputs)
+                       "this layer has no projection for (it projects one decay [B, S, K] or "
+                       "[B, S, K, H] and one write strength [B, S, K]); call the function "
+                       "with them instead.")
+    decay = decays[0] if decays else None
+    return cls(None if decay is None else _DECAY_PROJECTIONS[decay.per_feature], bool(writes),
+               decay.name if decay else "log_decay", writes[0].name if writes else "beta")
 
   @property
   def names(self) -> tuple[str, ...]:
@@ -99,9 +110,9 @@ class GateProjections:
 
   def __call__(self, params: Mapping[str, jax.Array], x: jax.Array, *, num_kv_heads: int,
                head_dim: int, precision: PrecisionLike = None) -> dict[str, jax.Array]:
-    """The per-token inputs from the key/value input ``x [..., S, in_kv]``: ``log_decay
-    [..., S, K]`` (``[..., S, K, H]`` for the low-rank gate) ≤ 0 and ``beta [..., S, K]`` in
-    (0, 1), float32."""
+    """The per-token inputs from the key/value input ``x [..., S, in_kv]``, by name: a decay
+    ``[..., S, K]`` (``[..., S, K, H]`` for the low-rank gate) ≤ 0 and a write strength
+    ``[..., S, K]`` in (0, 1), float32."""
     f32 = jnp.float32
     x = jnp.asarray(x, f32)
     param = lambda name: params[name].astype(f32)  # noqa: E731
@@ -110,13 +121,13 @@ class GateProjections:
     gates = {}
     if self.decay == "mamba2":
       dt = jax.nn.softplus(dot(x, param("a_kernel")) + per_row(param("dt_bias")))
-      gates["log_decay"] = -jnp.exp(per_row(param("A_log"))) * dt
+      gates[self.decay_name] = -jnp.exp(per_row(param("A_log"))) * dt
     elif self.decay == "low_rank":
       logit = dot(dot(x, param("gk_kernel_1")), param("gk_kernel_2")) + per_row(param("gk_bias"))
-      gates["log_decay"] = (jax.nn.log_sigmoid(logit) / GLA_GATE_NORMALIZER).reshape(
+      gates[self.decay_name] = (jax.nn.log_sigmoid(logit) / GLA_GATE_NORMALIZER).reshape(
           x.shape[:-1] + (num_kv_heads, head_dim))
     if self.beta:
-      gates["beta"] = jax.nn.sigmoid(dot(x, param("b_kernel")))
+      gates[self.beta_name] = jax.nn.sigmoid(dot(x, param("b_kernel")))
     return gates
 
 
