@@ -17,6 +17,9 @@ The CPU platform has 8 devices, for the context-parallel tests; everything
 else runs on the first (the training loop's data mesh spans all 8).
 Subprocesses choose their own count.
 
+The registry also holds ``toy_gated`` (``support/toy_gated.py``), a recurrence
+defined in the tests: every test that runs over the registry runs it too.
+
 Every test runs with ``jax.numpy_rank_promotion("raise")`` and
 ``jax.numpy_dtype_promotion("strict")``, as many codebases do: the library
 must never rely on implicit rank or dtype promotion. Tests marked
@@ -53,6 +56,13 @@ if "JAX_DEFAULT_MATMUL_PRECISION" not in os.environ:
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_numpy_dtype_promotion", "strict")
+
+# A gated recurrence defined in the tests (support/toy_gated.py) joins the registry before
+# collection: the shared suite, the contract test, the layer and context parallelism take
+# it by registering alone.
+import toy_gated  # noqa: E402
+
+toy_gated.register()
 
 
 def pytest_addoption(parser):

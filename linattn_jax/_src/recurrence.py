@@ -426,8 +426,7 @@ def recurrent_attention(
   missing = [f"{x.name} {x.layout}" for x in declared if x.name not in inputs]
   if missing:
     raise ValueError(f"{fn}: missing the per-token input(s) {', '.join(missing)}.")
-  if jnp.ndim(key) in (3, 4):  # Else prepare_qkv names the ranks.
-    inputs = {x.name: x.check(inputs[x.name], jnp.shape(key), fn=fn) for x in declared}
+  inputs = {x.name: x.check_bounds(inputs[x.name], fn=fn) for x in declared}  # Shapes: below.
   chunk_size = check_chunk_size(chunk_size, form=family.chunk_form(declared), fn=fn)
   if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or eps < 0:
     raise ValueError(f"{fn}: eps must be a non-negative float; got {eps!r}.")
@@ -446,7 +445,8 @@ def _attention(query, key, value, lengths, state, params, inputs, *, family: Fam
   (lengths,) = checks.check_lengths(p, fn=fn, key_value_seq_lengths=lengths).values()
   dtype = checks.accumulation_dtype(p.query.dtype)
   chunk = layout(p, lengths, dtype)
-  inputs = {name: _input_layout(x, p, chunk, dtype) for name, x in inputs.items()}
+  inputs = {x.name: _input_layout(x.check(inputs[x.name], jnp.shape(key), fn=fn), p, chunk, dtype)
+            for x in family.token_inputs(inputs, key)}
   start = family.start(chunk, state, params, inputs, p, options, fn=fn)
   out, carry = family.attend(start.carry, start.chunk, start.prepare, options)
   out, state = family.finish(out, carry, start.state, start.chunk, options)

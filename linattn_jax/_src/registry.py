@@ -207,11 +207,13 @@ class ParamSpec:
 class Role(str, enum.Enum):
   """What a per-token input does in a recurrence, and so how a layer makes it.
 
-  ``DECAY``: a log-decay ``g ≤ 0``; the state is multiplied by ``exp(g)`` before
-  the token writes (``-inf`` or a large negative value resets it). A layer
-  projects it as ``log σ(x w + b)``. ``WRITE_STRENGTH``: ``β ∈ [0, 1]``, how much of
-  the value replaces what the key already stores (the delta rule); the write is
-  a contraction only for unit keys, so a layer projects ``σ(x w + b)`` and
+  ``DECAY``: a log-decay ``g ≤ 0`` (``[B, S, K]``, one per head, or ``[B, S, K, H]``,
+  one per key feature); the state is multiplied by ``exp(g)`` before the token
+  writes (``-inf`` or a large negative value resets it). A layer projects it from
+  its input: Mamba2's parameterisation per head, GLA's low-rank gate per feature.
+  ``WRITE_STRENGTH``: ``β ∈ [0, 1]`` (``[B, S, K]``), how much of the value
+  replaces what the key already stores (the delta rule); the write is a
+  contraction only for unit keys, so a layer projects ``σ(x w)`` and
   L2-normalises queries and keys (:attr:`unit_keys`).
 
   Examples:
@@ -275,6 +277,11 @@ class TokenInput:
     if jnp.shape(x) != want or not jnp.issubdtype(jnp.result_type(x), jnp.floating):
       raise ValueError(f"{fn}: {self.name} must be a float array {self.layout} = {want} for "
                        f"key {tuple(key_shape)}; got {jnp.result_type(x)} {jnp.shape(x)}.")
+    return self.check_bounds(x, fn=fn)
+
+  def check_bounds(self, x: Any, *, fn: str) -> Any:
+    """``x`` if its entries lie within the role's bounds (checked where ``x`` is concrete);
+    a ValueError naming the input and the range of its values otherwise."""
     if not isinstance(x, jax.core.Tracer):
       low, high = self.bounds
       values = np.asarray(x, np.float64)

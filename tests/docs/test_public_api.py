@@ -81,7 +81,7 @@ def test_the_oracles_reject_bad_input_under_their_own_name(name):
   extra = (gates,) if name.startswith(("gated", "delta")) else ()
   fn = lambda q, k, v, **kw: getattr(la, name)(q, k, v, *extra, **options, **kw)  # noqa: E731
   with pytest.raises(ValueError, match=rf"^{name}: .*multiple of.*K=3"):
-    fn(q, kv, kv)
+    fn(q, kv, kv, is_causal=True)
   with pytest.raises(ValueError, match=rf"^{name}: is_causal must be a static Python bool"):
     jax.jit(lambda causal: fn(q, q, q, is_causal=causal))(True)
 

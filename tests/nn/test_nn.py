@@ -30,6 +30,8 @@ GATE_PARAMS = {
     "delta_net": {"b_kernel": (IN, K)},
     "gated_delta_net": {"a_kernel": (IN, K), "A_log": (K,), "dt_bias": (K,),
                         "b_kernel": (IN, K)},
+    # The tests' own gated variant (support/toy_gated.py): a decay and a write strength.
+    "toy_gated": {"a_kernel": (IN, K), "A_log": (K,), "dt_bias": (K,), "b_kernel": (IN, K)},
 }
 
 
