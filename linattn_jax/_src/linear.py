@@ -319,22 +319,25 @@ def linear_attention_reference(
 
 
 def init_linear_state(
-    batch: int, num_kv_heads: int, feature_dim: int, value_dim: int, dtype: Any = jnp.float32
+    batch: int, num_kv_heads: int, head_dim: int, value_dim: int, dtype: Any = jnp.float32, *,
+    feature_map: FeatureMap = elu_plus_one,
 ) -> LinearState:
   """The empty :class:`LinearState`: zeros ``kv [B, K, M, D]`` and ``k_sum [B, K, M]``.
 
   The state of no keys (both sums empty), from which
-  :func:`linear_attention_step` decodes. M is the feature map's output
-  size: H for ``elu_plus_one``, ``relu`` and ``exp``; the projection's M for
-  ``projected`` (see ``feature_maps``).
+  :func:`linear_attention_step` decodes. Sized like every ``init_*_state`` by
+  the head dim H; M is ``feature_map``'s output size for it: H for
+  ``elu_plus_one``, ``relu`` and ``exp``; the projection's M for ``projected``
+  (see ``feature_maps``).
 
   Args:
     batch: B.
     num_kv_heads: K.
-    feature_dim: M.
+    head_dim: H.
     value_dim: D.
     dtype: the state's dtype: float32 for float32, bfloat16 and float16
       inputs (the accumulation dtype), float64 for float64 ones.
+    feature_map: φ, as :func:`linear_attention_step` will be given it.
 
   Returns:
     A :class:`LinearState` of zeros.
@@ -343,13 +346,17 @@ def init_linear_state(
     ValueError: if a size is not a positive int.
 
   Examples:
-    >>> state = la.init_linear_state(batch=2, num_kv_heads=1, feature_dim=4, value_dim=3)
+    >>> state = la.init_linear_state(batch=2, num_kv_heads=1, head_dim=4, value_dim=3)
     >>> state.kv.shape, state.k_sum.shape, bool(jnp.all(state.kv == 0))
     ((2, 1, 4, 3), (2, 1, 4), True)
+    >>> w, b = jnp.ones((4, 6)), jnp.zeros(6)  # A learnable map to M = 6 features.
+    >>> la.init_linear_state(2, 1, 4, 3, feature_map=feature_maps.projected(w, b)).kv.shape
+    (2, 1, 6, 3)
   """
-  B, K, M, D = checks.positive_sizes(
-      batch=batch, num_kv_heads=num_kv_heads, feature_dim=feature_dim, value_dim=value_dim,
+  B, K, H, D = checks.positive_sizes(
+      batch=batch, num_kv_heads=num_kv_heads, head_dim=head_dim, value_dim=value_dim,
       fn="init_linear_state")
+  M = feature_dim(feature_map, H, dtype)
   return LinearState(jnp.zeros((B, K, M, D), dtype), jnp.zeros((B, K, M), dtype))
 
 
@@ -412,9 +419,9 @@ def feature_dim(feature_map: FeatureMap, head_dim: int, dtype: Any = jnp.float32
 def _init_like(query, key, value, *, feature_map: FeatureMap = elu_plus_one) -> LinearState:
   """The empty state for arrays shaped like ``query``, ``key``, ``value`` (streaming init)."""
   p = checks.prepare_qkv(query, key, value, fn="init_linear_state")
-  B, _, _, _, K, H, D = p.dims
-  dtype = checks.accumulation_dtype(p.query.dtype)
-  return init_linear_state(B, K, feature_dim(feature_map, H, dtype), D, dtype)
+  d = p.dims
+  return init_linear_state(d.B, d.K, d.H, d.D, checks.accumulation_dtype(p.query.dtype),
+                           feature_map=feature_map)
 
 
 def _weights(query, key, *, feature_map: FeatureMap = elu_plus_one, is_causal: bool = False,

@@ -78,7 +78,9 @@ class PerformerState(NamedTuple):
     running_max: ``[B, K]``: the largest ``s_j`` so far (``-inf`` before any key).
 
   Examples:
-    >>> state = la.init_performer_state(batch=1, num_kv_heads=2, feature_dim=8, value_dim=4)
+    >>> w = feature_maps.orthogonal_random_projection(jax.random.key(1), 8, 4)  # [M, H]
+    >>> state = la.init_performer_state(batch=1, num_kv_heads=2, head_dim=4, value_dim=4,
+    ...                                 projection=w)
     >>> state.kv.shape, state.k_sum.shape, state.running_max.shape
     ((1, 2, 8, 4), (1, 2, 8), (1, 2))
     >>> bool(jnp.all(jnp.isneginf(state.running_max)))
@@ -264,40 +266,47 @@ def performer_attention_reference(
 
 
 def init_performer_state(
-    batch: int, num_kv_heads: int, feature_dim: int, value_dim: int, dtype: Any = jnp.float32
+    batch: int, num_kv_heads: int, head_dim: int, value_dim: int, dtype: Any = jnp.float32, *,
+    projection: Any, kernel: str = "positive",
 ) -> PerformerState:
   """The empty :class:`PerformerState`: zero sums, ``running_max = -inf``.
 
-  Zeros ``kv [B, K, M, D]`` and ``k_sum [B, K, M]`` and ``running_max
+  Zeros ``kv [B, K, M', D]`` and ``k_sum [B, K, M']`` and ``running_max
   [B, K]`` of ``-inf``: the state of no keys, from which
-  :func:`performer_attention_step` decodes.
+  :func:`performer_attention_step` decodes. Sized like every ``init_*_state``
+  by the head dim H; the feature size M' follows from ``projection`` ``[M, H]``
+  and ``kernel``: M for ``"positive"``, 2M for ``"trig"``.
 
   Args:
     batch: B.
     num_kv_heads: K.
-    feature_dim: the feature size: M (the projection's rows) for
-      ``kernel="positive"``, 2M for ``"trig"``.
+    head_dim: H.
     value_dim: D.
     dtype: the state's dtype: float32 for float32, bfloat16 and float16
       inputs, float64 for float64 ones.
+    projection: ``[M, H]``, as :func:`performer_attention_step` will be given it.
+    kernel: ``"positive"`` or ``"trig"``, likewise.
 
   Returns:
     A :class:`PerformerState`.
 
   Raises:
-    ValueError: if a size is not a positive int.
+    ValueError: if a size is not a positive int, for an unknown ``kernel``, or a
+      projection that is not ``[M, H]``.
 
   Examples:
     >>> w = feature_maps.orthogonal_random_projection(jax.random.key(1), 8, 4)  # [M, H]
-    >>> state = la.init_performer_state(1, 2, 2 * 8, 4)  # "trig": 2M features.
+    >>> state = la.init_performer_state(1, 2, 4, 4, projection=w, kernel="trig")  # 2M.
     >>> x = jnp.ones((1, 2, 4))  # One token: [B, K, H]; N = K here.
     >>> state, out = la.performer_attention_step(state, x, x, x, projection=w, kernel="trig")
     >>> state.kv.shape, out.shape
     ((1, 2, 16, 4), (1, 2, 4))
   """
-  B, K, M, D = checks.positive_sizes(batch=batch,
-                                     num_kv_heads=num_kv_heads, feature_dim=feature_dim,
-                                     value_dim=value_dim, fn="init_performer_state")
+  fn = "init_performer_state"
+  B, K, H, D = checks.positive_sizes(batch=batch, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                     value_dim=value_dim, fn=fn)
+  check_projection(projection, query_shape=(H,), fn=fn)
+  M = feature_dim(KERNELS[_check_kernel(kernel, fn)](projection), H, dtype)
   return PerformerState(jnp.zeros((B, K, M, D), dtype), jnp.zeros((B, K, M), dtype),
                         jnp.full((B, K), -jnp.inf, dtype))
 
@@ -344,7 +353,7 @@ def performer_attention_step(
     >>> w = feature_maps.orthogonal_random_projection(jax.random.key(1), 8, 4)
     >>> def step(state, x_t):
     ...   return la.performer_attention_step(state, x_t, x_t, x_t, projection=w)
-    >>> empty = la.init_performer_state(1, 2, 8, 4)
+    >>> empty = la.init_performer_state(1, 2, 4, 4, projection=w)
     >>> state, outs = jax.lax.scan(step, empty, x.swapaxes(0, 1))
     >>> full = la.performer_attention(x, x, x, projection=w, is_causal=True)
     >>> bool(jnp.allclose(outs.swapaxes(0, 1), full, atol=1e-5))
@@ -370,10 +379,9 @@ def _init_params(rng: jax.Array, head_dim: int, *,
 def _init_like(query, key, value, *, projection: Any, kernel: str = "positive") -> PerformerState:
   """The empty state for arrays shaped like ``query``, ``key``, ``value`` (streaming init)."""
   p = checks.prepare_qkv(query, key, value, fn="init_performer_state")
-  B, _, _, _, K, H, D = p.dims
-  phi = KERNELS[_check_kernel(kernel, "init_performer_state")](projection)
-  dtype = checks.accumulation_dtype(p.query.dtype)
-  return init_performer_state(B, K, feature_dim(phi, H, dtype), D, dtype)
+  d = p.dims
+  return init_performer_state(d.B, d.K, d.H, d.D, checks.accumulation_dtype(p.query.dtype),
+                              projection=projection, kernel=kernel)
 
 
 def _summarize(key, value, *, projection: Any, kernel: str = "positive",

@@ -324,6 +324,10 @@ class AttentionSpec:
       **options) -> [.., T, S]`` bool: the mask with which softmax attention
       equals this variant (``how_options`` are not passed). Benchmarks time
       the masked dense path against it.
+    decode_rows: for sparse patterns, ``decode_rows(S, *, num_heads, **options) ->
+      RowKeys``: the keys each row of the causal pattern on S keys visits, as a
+      decode step gathers them at traced positions (None: a decoded row reads the
+      dense pattern's row of the cache).
     params: the arrays the variant owns (see :class:`ParamSpec`), or None.
     full_softmax: whether the variant is exact softmax attention over every
       visible key (no pattern tied to positions): a prefill from position 0
@@ -373,6 +377,7 @@ class AttentionSpec:
   noncausal_only: frozenset[str] = frozenset()
   streaming: StreamingSpec | None = None
   dense_mask: Callable[..., Any] | None = None
+  decode_rows: Callable[..., Any] | None = None
   weights: Callable[..., Any] | None = None
   params: ParamSpec | None = None
   forms_weights: bool = False

@@ -770,10 +770,6 @@ def _init_local_like(query, key, value, *, window_size):
   return init_local_state(B, K, H, value.shape[-1], key.dtype, window_size=window_size)
 
 
-# A sparse function's decoding rows: (S, **its pattern's options) -> RowKeys.
-_DECODE_ROWS: dict[Callable[..., Any], Callable[..., RowKeys]] = {}
-
-
 def decode_rows(spec: AttentionSpec, S: int, num_heads: int,
                 options: Mapping[str, Any]) -> RowKeys | None:
   """The keys each row of ``spec``'s causal pattern on a sequence of S keys visits, as the
@@ -786,7 +782,7 @@ def decode_rows(spec: AttentionSpec, S: int, num_heads: int,
     ValueError: for options the variant's function would refuse (e.g. a
       layout of the wrong shape for S, global positions past S).
   """
-  build = _DECODE_ROWS.get(spec.function)
+  build = spec.decode_rows
   if build is None:
     return None
   defaults = {name: p.default for name, p in inspect.signature(spec.function).parameters.items()
@@ -799,14 +795,12 @@ def _spec(name: str, function: Callable[..., Any], dense_mask: Callable[..., Any
           how: tuple[str, ...] = ("implementation", "block_size"),
           rows: Callable[..., RowKeys] | None = None, **kw: Any) -> AttentionSpec:
   """Registers a sparse variant; its oracle is the same function's reference path; ``rows``
-  says which keys a decoded row gathers (see :func:`decode_rows`)."""
-  if rows is not None:
-    _DECODE_ROWS[function] = rows
+  says which keys a decoded row gathers (``AttentionSpec.decode_rows``)."""
   return register_attention(AttentionSpec(
       name=name, function=function,
       reference=functools.partial(function, implementation="reference"),
       how_options=frozenset(how), implementations=IMPLEMENTATIONS, dense_mask=dense_mask,
-      forms_weights=True, **kw))
+      forms_weights=True, decode_rows=rows, **kw))
 
 
 _spec("local", local_attention,

@@ -160,7 +160,8 @@ def test_step_with_explicit_projection_matches_causal_pass(kernel):
   q, k, v = make_qkv(shape, amplitude=2.0)
   w = _projection()
   M = 16 if kernel == "positive" else 32
-  state = la.init_performer_state(shape.B, shape.K, M, shape.D)
+  state = la.init_performer_state(shape.B, shape.K, shape.H, shape.D, projection=w, kernel=kernel)
+  assert state.kv.shape == (shape.B, shape.K, M, shape.D)
   assert np.all(state.running_max == -np.inf)
 
   def step(state, qkv):
@@ -204,15 +205,20 @@ def test_errors_name_shapes_and_options():
   with pytest.raises(ValueError, match=r"projection must be \[M, H\].*got \(16,\)"):
     la.performer_attention(q, k, v, projection=jnp.ones(16))
   with pytest.raises(ValueError, match=r"performer_attention: projection must be \[M, H\]"):
-    la.performer_attention_step(la.init_performer_state(SHAPE.B, SHAPE.K, 16, SHAPE.D),
-                                q[:, 0], k[:, 0], v[:, 0], projection=jnp.ones((16, 5)))
-  with pytest.raises(ValueError, match="init_performer_state: feature_dim must be a positive"):
-    la.init_performer_state(SHAPE.B, SHAPE.K, -1, SHAPE.D)
+    la.performer_attention_step(
+        la.init_performer_state(SHAPE.B, SHAPE.K, SHAPE.H, SHAPE.D, projection=_projection()),
+        q[:, 0], k[:, 0], v[:, 0], projection=jnp.ones((16, 5)))
+  with pytest.raises(ValueError, match="init_performer_state: head_dim must be a positive"):
+    la.init_performer_state(SHAPE.B, SHAPE.K, -1, SHAPE.D, projection=_projection())
+  with pytest.raises(ValueError, match=r"init_performer_state: projection must be \[M, H\] "
+                     r"with H=4"):
+    la.init_performer_state(SHAPE.B, SHAPE.K, SHAPE.H, SHAPE.D, projection=jnp.ones((16, 5)))
   with pytest.raises(ValueError, match="unknown kernel"):
     la.performer_attention(q, k, v, projection=_projection(), kernel="cosine")
   with pytest.raises(ValueError, match="is_causal"):
     la.performer_attention(q, k, v, projection=_projection(), is_causal=True,
                            implementation="parallel")
-  bad = la.init_performer_state(SHAPE.B, SHAPE.K, 8, SHAPE.D)
+  bad = la.init_performer_state(SHAPE.B, SHAPE.K, SHAPE.H, SHAPE.D,
+                                projection=_projection()[:8])
   with pytest.raises(ValueError, match=r"initial_state.*\(2, 2, 8, 3\).*\(2, 2, 16, 3\)"):
     la.performer_attention(q, k, v, projection=_projection(), initial_state=bad)
