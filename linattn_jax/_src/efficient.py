@@ -206,10 +206,10 @@ def efficient_attention(
     *,
     is_causal: bool = False,
     key_value_seq_lengths: Any = None,
-    implementation: EfficientImplementation | None = None,
-    chunk_size: int | None = None,
     initial_state: EfficientState | None = None,
     return_state: bool = False,
+    implementation: EfficientImplementation | None = None,
+    chunk_size: int | None = None,
 ) -> jax.Array | tuple[jax.Array, EfficientState]:
   """Efficient attention: ``softmax_H(Q) · (softmax_S(K)ᵀ V)`` in linear time.
 
@@ -227,6 +227,10 @@ def efficient_attention(
       sees; for T > S the first T - S queries see none and return zeros).
     key_value_seq_lengths: optional ``[B]`` ints; keys at or past it are
       masked out of the key softmax and do not advance the state.
+    initial_state: an :class:`EfficientState` summarising keys before this
+      call, seen by every query, causal or not (the rule of every recurrent
+      variant). Unbatched calls take an unbatched state.
+    return_state: also return the state after this call's keys.
     implementation: ``"reference"`` (the O(T·S·H) oracle), ``"parallel"``
       (non-causal only: one key softmax and two small matrix products),
       ``"scan"`` (token recurrence within checkpointed chunks), ``"chunked"``
@@ -235,11 +239,8 @@ def efficient_attention(
       differentiable in reverse mode only, ``"scan"`` in both), or None:
       ``"chunked"`` when causal, else ``"parallel"``. ``"scan"`` and
       ``"chunked"`` compute the non-causal form like ``"parallel"``.
-    chunk_size: chunk length C of the causal forms (static).
-    initial_state: an :class:`EfficientState` summarising keys before this
-      call, seen by every query, causal or not (the rule of every recurrent
-      variant). Unbatched calls take an unbatched state.
-    return_state: also return the state after this call's keys.
+    chunk_size: chunk length C of the causal forms (static). None: the default
+      backend's measured best, 64 (docs/benchmarks.md, "Chunk size").
 
   Returns:
     ``[B, T, N, D]`` (or ``[T, N, D]``) in the input dtype, rows with no

@@ -151,9 +151,9 @@ def _gla_chunk(config, S, chunk: recurrence.Chunk):
 
 
 # GLA's chunk form weighs the pairs inside blocks of this many positions directly (C·4·H
-# exponentials), and halves above them. Measured on CPU (T = 8192, C = 128, forward +
-# backward, one run): 4 beat 2, 8 and 16 by 15-55%; the direct blocks grow as C·span·H, the
-# levels below them are products too small to run fast.
+# exponentials), and halves above them: the direct blocks grow as C·span·H, the levels
+# below them are products too small to run fast; 4 was the fastest span on CPU
+# (docs/benchmarks.md, "Chunk size").
 _GLA_DIRECT_SPAN = 4
 
 

@@ -268,10 +268,10 @@ def heinsen_attention(
     *,
     is_causal: bool = False,
     key_value_seq_lengths: Any = None,
-    implementation: HeinsenImplementation | None = None,
-    chunk_size: int | None = None,
     initial_state: HeinsenState | None = None,
     return_state: bool = False,
+    implementation: HeinsenImplementation | None = None,
+    chunk_size: int | None = None,
 ) -> jax.Array | tuple[jax.Array, HeinsenState]:
   """Heinsen's attention, ``softmax_j(log(exp(Q) exp(K)ᵀ)) V``, at linear-attention cost.
 
@@ -287,6 +287,8 @@ def heinsen_attention(
       first S - T keys are seen by every query, for T > S the first T - S queries see only
       ``initial_state``).
     key_value_seq_lengths: optional ``[B]`` ints; keys at or past it are ignored.
+    initial_state: a :class:`HeinsenState` of earlier keys, seen by every query.
+    return_state: also return the state after all (valid) keys.
     implementation: ``"reference"`` (explicit weights, O(T·S·H)), ``"parallel"`` (one
       summary of all keys; causal: the prefix states of every position at once by
       ``lax.associative_scan``, ``[T, H, D]`` per kv head),
@@ -295,9 +297,8 @@ def heinsen_attention(
       chunk's masked ``[C, C]`` weights at once; causal, it is differentiable in reverse
       mode only, the other forms in both), or None: ``"chunked"`` when causal, else
       ``"parallel"``.
-    chunk_size: positions per chunk of the causal forms (static).
-    initial_state: a :class:`HeinsenState` of earlier keys, seen by every query.
-    return_state: also return the state after all (valid) keys.
+    chunk_size: positions per chunk of the causal forms (static). None: the default
+      backend's measured best, 64 (docs/benchmarks.md, "Chunk size").
 
   Returns:
     ``[B, T, N, D]`` (or ``[T, N, D]``) in the input dtype, zeros for queries that see no
@@ -358,7 +359,8 @@ def log_heinsen_attention(
     implementation: ``"reference"`` (explicit weights), ``"parallel"`` (log-sums over the
       whole sequence at once, ``[max(T, S), N, H, D + 1]`` per batch entry), ``"chunked"``
       (``[C, N, H, D + 1]`` at a time), or None: ``"chunked"``.
-    chunk_size: positions per chunk for ``"chunked"``.
+    chunk_size: positions per chunk for ``"chunked"``. None: the default backend's
+      measured best, 32.
 
   Returns:
     ``[B, T, N, D]`` log-outputs in the input dtype; ``-inf`` (log 0) for queries that see no

@@ -169,10 +169,10 @@ def linear_attention(
     is_causal: bool = False,
     key_value_seq_lengths: Any = None,
     eps: float = DEFAULT_EPS,
-    implementation: LinearImplementation | None = None,
-    chunk_size: int | None = None,
     initial_state: LinearState | None = None,
     return_state: bool = False,
+    implementation: LinearImplementation | None = None,
+    chunk_size: int | None = None,
 ) -> jax.Array | tuple[jax.Array, LinearState]:
   """Kernel linear attention in O(T) memory.
 
@@ -195,17 +195,18 @@ def linear_attention(
     key_value_seq_lengths: optional ``[B]`` ints; keys at or past it count
       nowhere and do not advance the state.
     eps: added to the normaliser (static float >= 0).
-    implementation: ``"reference"``, ``"parallel"`` (non-causal only),
-      ``"scan"``, ``"associative_scan"``, ``"chunked"``, or None:
-      ``"chunked"`` if causal, else ``"parallel"``.
-    chunk_size: C, the chunk length of the causal forms (the unit of
-      recomputation in the backward pass; the last chunk may be partial).
-      None: the default backend's measured best, 64 on CPU and 256 on GPU.
     initial_state: a :class:`LinearState` (``[B, K, M, D]``, ``[B, K, M]``;
       no B for unbatched calls) summarising earlier keys, which every query
       sees, causal or not. Splitting a sequence and carrying the state
       equals one pass.
     return_state: also return the state after the last valid key.
+    implementation: ``"reference"``, ``"parallel"`` (non-causal only),
+      ``"scan"``, ``"associative_scan"``, ``"chunked"``, or None:
+      ``"chunked"`` if causal, else ``"parallel"``.
+    chunk_size: C, the chunk length of the causal forms (the unit of
+      recomputation in the backward pass; the last chunk may be partial).
+      None: the default backend's measured best, 64 on CPU and 256 on GPU
+      (docs/benchmarks.md, "Chunk size").
 
   Returns:
     ``[B, T, N, D]`` in the input dtype, or ``(out, LinearState)`` with

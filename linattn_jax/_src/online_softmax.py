@@ -73,10 +73,9 @@ def divide_rows(x: jax.Array, den: jax.Array) -> jax.Array:
   """``x [..., D] / den [...]``, row by row, with 0 where ``den == 0``.
 
   The product with ``1 / den`` is written as an einsum, so that its gradient
-  with respect to ``den`` (``Σ_d g_d x_d``) is a batched product too. As a
-  reduction over the minor axis, XLA:CPU's XNNPACK fusion of it took 33 of
-  Heinsen's 200 ms in a profile (causal forward + backward, T = 8192, 4 heads
-  of 64). A row that saw no key (``den = 0``) reads 0, with finite gradients.
+  with respect to ``den`` (``Σ_d g_d x_d``) is a batched product too: as a
+  reduction over the minor axis it is XLA:CPU's slow path (docs/benchmarks.md,
+  "Chunk size"). A row that saw no key (``den = 0``) reads 0, with finite gradients.
   """
   empty = den == 0
   return jnp.where(empty[..., None], 0.0,

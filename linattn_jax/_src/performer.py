@@ -112,14 +112,14 @@ def performer_attention(
     value: ArrayLike,
     *,
     projection: Any,
+    kernel: str = "positive",
     is_causal: bool = False,
     key_value_seq_lengths: Any = None,
-    kernel: str = "positive",
     eps: float = DEFAULT_EPS,
-    implementation: LinearImplementation | None = None,
-    chunk_size: int | None = None,
     initial_state: PerformerState | None = None,
     return_state: bool = False,
+    implementation: LinearImplementation | None = None,
+    chunk_size: int | None = None,
 ) -> jax.Array | tuple[jax.Array, PerformerState]:
   """Performer attention: softmax attention through random features of its kernel.
 
@@ -140,21 +140,21 @@ def performer_attention(
     projection: ``[M, H]`` random directions, e.g.
       ``orthogonal_random_projection(rng, M, H)``; features have size M
       (positive) or 2M (trig).
+    kernel: ``"positive"`` (FAVOR+) or ``"trig"``.
     is_causal: query t sees keys ``j <= t + S - T`` (bottom-right aligned).
     key_value_seq_lengths: optional ``[B]`` ints; keys at or past it count
       nowhere and do not advance the state.
-    kernel: ``"positive"`` (FAVOR+) or ``"trig"``.
     eps: added to the stabilised normaliser (static float >= 0).
-    implementation: as in :func:`linear_attention`: ``"reference"``,
-      ``"parallel"`` (non-causal only), ``"scan"``, ``"associative_scan"``,
-      ``"chunked"``, or None (``"chunked"`` if causal, else ``"parallel"``).
-    chunk_size: C for the causal forms (None: 128 on CPU, where a larger
-      chunk feeds more rows to each feature projection; 512 on GPU; README,
-      "Chunk size").
     initial_state: a :class:`PerformerState` summarising earlier keys (seen
       by every query); splitting a sequence and carrying it equals one pass
       with the same projection.
     return_state: also return the state after the last valid key.
+    implementation: as in :func:`linear_attention`: ``"reference"``,
+      ``"parallel"`` (non-causal only), ``"scan"``, ``"associative_scan"``,
+      ``"chunked"``, or None (``"chunked"`` if causal, else ``"parallel"``).
+    chunk_size: C for the causal forms (None: the backend's measured best, 128 on
+      CPU, where a larger chunk feeds more rows to each feature projection, 512 on
+      GPU: docs/benchmarks.md, "Chunk size").
 
   Returns:
     ``[B, T, N, D]`` in the input dtype, or ``(out, PerformerState)``.
@@ -215,9 +215,9 @@ def performer_attention_reference(
     value: ArrayLike,
     *,
     projection: Any,
+    kernel: str = "positive",
     is_causal: bool = False,
     key_value_seq_lengths: Any = None,
-    kernel: str = "positive",
     eps: float = DEFAULT_EPS,
     initial_state: PerformerState | None = None,
     return_state: bool = False,

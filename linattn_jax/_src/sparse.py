@@ -105,10 +105,7 @@ def _all_keys(rows: np.ndarray, S: int) -> Plan:
 # The query block of the windowed patterns (local, longformer) when none is given: the
 # window's width left + right, within these bounds. Each block reads Q + left + right keys,
 # so a larger block wastes more of its scores but makes fewer, larger products, which run
-# faster. Measured on CPU (causal local attention, T = 8192, 8 heads of 64, forward +
-# backward, one process per run): at a window of 256, a block of 256 took 0.70-0.75x the
-# time of 64 (three runs); at 1024, 256 took 0.53x (512 was 4% slower); at 64, blocks of
-# 32 to 128 tied and 256 was 1.4x slower. GPU and TPU take the same rule, unmeasured.
+# faster on CPU (docs/benchmarks.md, "Block size"); GPU and TPU take the same rule.
 _WINDOW_BLOCK_BOUNDS = (64, 256)
 
 
@@ -144,12 +141,12 @@ def local_attention(
     value: ArrayLike,
     *,
     window_size: Any,
-    is_causal: bool = False,
     scale: float | None = None,
+    is_causal: bool = False,
     key_value_seq_lengths: Any = None,
+    return_state: bool = False,
     implementation: SparseImplementation | None = None,
     block_size: int | None = None,
-    return_state: bool = False,
 ) -> jax.Array | tuple[jax.Array, LocalState]:
   """Sliding-window softmax attention in O(T·w).
 
@@ -163,17 +160,17 @@ def local_attention(
     query: ``[B, T, N, H]``; key ``[B, S, K, H]``; value ``[B, S, K, D]``;
       K must divide N (GQA / MQA). Unbatched rank-3 inputs are accepted.
     window_size: int (symmetric) or ``(left, right)``, non-negative.
-    is_causal: drop keys after the query (right side 0).
     scale: logit scale, default ``1 / sqrt(H)``.
+    is_causal: drop keys after the query (right side 0).
     key_value_seq_lengths: optional ``[B]`` ints; later keys are masked.
-    implementation: ``"blocked"`` (default) or ``"reference"``.
-    block_size: query rows per gathered block; each block gathers
-      ``block_size + left + right`` keys. Default: the window's width
-      ``left + right`` within [64, 256] (fewer, larger products; measured on CPU).
     return_state: also return the :class:`LocalState` after the S keys (the
       last ``left + 1`` keys and values), from which
       :func:`local_attention_step` decodes on (causal only; every key counts,
       so not with ``key_value_seq_lengths``).
+    implementation: ``"blocked"`` (default) or ``"reference"``.
+    block_size: query rows per gathered block; each block gathers
+      ``block_size + left + right`` keys. Default: the window's width
+      ``left + right`` within [64, 256] (fewer, larger products; measured on CPU).
 
   Returns:
     ``[B, T, N, D]`` in the input dtype; rows with no visible key are zero.
@@ -374,8 +371,8 @@ def strided_attention(
     *,
     stride: int,
     window_size: Any = None,
-    is_causal: bool = False,
     scale: float | None = None,
+    is_causal: bool = False,
     key_value_seq_lengths: Any = None,
     implementation: SparseImplementation | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
@@ -487,8 +484,8 @@ def block_sparse_attention(
     *,
     layout: Any,
     block_size: int,
-    is_causal: bool = False,
     scale: float | None = None,
+    is_causal: bool = False,
     key_value_seq_lengths: Any = None,
     implementation: SparseImplementation | None = None,
 ) -> jax.Array:
@@ -581,8 +578,8 @@ def longformer_attention(
     *,
     window_size: Any,
     global_positions: Sequence[int] = (),
-    is_causal: bool = False,
     scale: float | None = None,
+    is_causal: bool = False,
     key_value_seq_lengths: Any = None,
     implementation: SparseImplementation | None = None,
     block_size: int | None = None,
@@ -667,8 +664,8 @@ def bigbird_attention(
     num_global_blocks: int = 2,
     num_random_blocks: int = 3,
     rng: Any = 0,
-    is_causal: bool = False,
     scale: float | None = None,
+    is_causal: bool = False,
     key_value_seq_lengths: Any = None,
     implementation: SparseImplementation | None = None,
 ) -> jax.Array:
