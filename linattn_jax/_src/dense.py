@@ -50,7 +50,7 @@ def prepare(query, key, value, *, bias, mask, is_causal, scale,
             query_seq_lengths, key_value_seq_lengths, fn: str, local_window_size: Any = None,
             causal_alignment: CausalAlignment = "bottom_right") -> Args:
   p = checks.prepare_qkv(query, key, value, fn=fn)
-  B, T, S, N, _, H, _ = p.dims
+  B, T, S, N, H = p.dims.B, p.dims.T, p.dims.S, p.dims.N, p.dims.H
   # Unbatched calls broadcast masks and biases as jax.nn does: to [1, N, T, S].
   target = (B, N, T, S)
   bias, mask = (
@@ -162,7 +162,7 @@ def xla(a: Args, *, return_residual: bool = False) -> jax.Array | tuple[jax.Arra
       strict and dtype in (jnp.bfloat16, jnp.float16)):
     # jax.nn's gradient mixes 16-bit and float32 arrays, which strict promotion refuses.
     q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
-  _, T, S, _, _, H, D = a.prepared.dims
+  H, D = a.prepared.dims.H, a.prepared.dims.D
   width = max(H, D)
   pad = lambda x: jnp.pad(x, [(0, 0)] * 3 + [(0, width - x.shape[-1])])  # noqa: E731
   mask, native_causal = a.mask, a.is_causal and a.offset == 0 and a.window is None

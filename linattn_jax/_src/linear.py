@@ -117,7 +117,7 @@ def kernel_weights(query: Any, key: Any, *, featurizer: kernel.Featurizer, param
   (lengths,) = checks.check_lengths(p, fn=fn, key_value_seq_lengths=key_value_seq_lengths).values()
   dtype = checks.accumulation_dtype(p.query.dtype)
   chunk = kernel.featurize(p, functools.partial(featurizer, params), lengths, dtype, fn=fn)
-  B, T, S, N, K, _, _ = p.dims
+  B, T, S, N, K = p.dims.B, p.dims.T, p.dims.S, p.dims.N, p.dims.K
   visible = causal(T, S) if is_causal else None
   empty = kernel.empty_carry(B, K, chunk.fk.shape[-1], chunk.lk.shape[-1], 1, dtype)
   config = kernel.ReadConfig("kernel")

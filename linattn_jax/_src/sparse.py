@@ -74,7 +74,7 @@ def _run(fn: str, query, key, value, *, implementation, is_causal, scale,
   p = checks.prepare_qkv(query, key, value, fn=fn)
   kv_len = checks.check_lengths(
       p, fn=fn, key_value_seq_lengths=key_value_seq_lengths)["key_value_seq_lengths"]
-  B, T, S, N, _, H, D = p.dims
+  B, T, S, N, H, D = p.dims.B, p.dims.T, p.dims.S, p.dims.N, p.dims.H, p.dims.D
   pat = pattern(T, S)
   if implementation == "reference":
     dense = jnp.asarray(pat.dense())
