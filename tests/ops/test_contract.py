@@ -7,6 +7,12 @@ where the keyword changes the math the result is judged against the oracle
 called with the same keyword. A keyword this file has no value for fails the
 test: a documented argument that nothing calls is a defect.
 
+Keywords the shared suite already calls that way are not called again here
+(``is_causal`` and ``key_value_seq_lengths`` in every parity test, each
+``implementation`` it lists, and the options its ``SUITE_SETTINGS`` set to
+other values than the defaults, jitted and eagerly in its jit/eager test);
+:func:`test_the_shared_suite_calls_the_keywords_left_to_it` checks that it does.
+
 Also: what a call without ``is_causal`` does is one rule for every entry
 (non-causal; a causal-only variant raises a ValueError saying so).
 """
@@ -21,7 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _helpers import (
+  SUITE_SETTINGS,
   TINY,
+  SuiteSettings,
   assert_matches_oracle,
   deriving_inputs,
   kv_lengths,
@@ -41,8 +49,17 @@ def _other_feature_map(spec):
       la.feature_maps.elu_plus_one)
 
 
+def _suite_implementations(spec) -> set:
+  """The implementations the shared suite runs for ``spec`` (its settings may narrow them;
+  the variant's own test file runs the rest, and the contract test one of them)."""
+  chosen = SUITE_SETTINGS.get(spec.name, SuiteSettings()).implementations
+  return set(chosen or spec.implementations) - {None}
+
+
 def _other_implementation(spec):
-  return next(i for i in reversed(spec.implementations) if i is not None)
+  """One the suite does not run (the contract runs only such a case)."""
+  return next(i for i in spec.implementations
+              if i is not None and i not in _suite_implementations(spec))
 
 
 def _arrays_drawn_with_another_seed(spec):
@@ -89,13 +106,31 @@ def _keywords(spec):
   return [p for p in params.values() if p.kind is inspect.Parameter.KEYWORD_ONLY]
 
 
+def _same(a, b) -> bool:
+  try:
+    return bool(np.all(a == b)) if not callable(a) else a is b
+  except (TypeError, ValueError):
+    return False
+
+
+def _suite_calls(spec, p) -> bool:
+  """Whether the shared suite calls keyword ``p`` of ``spec`` with another value than its
+  default, under jit and eagerly (see the module docstring)."""
+  if p.name in CALL_KEYWORDS:
+    return True
+  if p.name == "implementation":
+    return _suite_implementations(spec) >= set(spec.implementations) - {None}
+  options = suite_options(spec)
+  return p.name in options and not _same(options[p.name], p.default)
+
+
 def _cases():
   cases = []
   for spec in SPECS:
     arrays = set(spec.params.names) if spec.params is not None else set()
     for p in _keywords(spec):
-      if p.name in arrays:
-        continue  # One case gives them all (below).
+      if p.name in arrays or _suite_calls(spec, p):
+        continue  # Params: one case gives them all (below); the suite's: checked below.
       cases.append(pytest.param(spec, p.name, id=f"{spec.name}-{p.name}"))
     if arrays:
       cases.append(pytest.param(spec, "+".join(spec.params.names),
@@ -158,13 +193,6 @@ def test_every_keyword_is_usable_with_a_non_default_value(spec, keyword):
                         err_msg=f"{spec.name} with {keyword}")
 
 
-def _same(a, b) -> bool:
-  try:
-    return bool(np.all(a == b)) if not callable(a) else a is b
-  except (TypeError, ValueError):
-    return False
-
-
 def _judge_special(spec, keyword, options, q, k, v):
   """``return_state``: the output is the oracle's, the state is the pass's own (its
   continuation is judged by the shared suite's split test); ``initial_state``: a state
@@ -191,6 +219,27 @@ def _judge_special(spec, keyword, options, q, k, v):
   both_k, both_v = (jnp.concatenate(x, axis=1) for x in ((k0, k), (v0, v)))
   assert_matches_oracle(out, spec, q, both_k, both_v, is_causal=True, options=options,
                         err_msg=f"{spec.name} with initial_state")
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda spec: spec.name)
+def test_the_shared_suite_calls_the_keywords_left_to_it(spec):
+  """The keywords not called here are called by the suite: the per-call two in every
+  parity test (both modes where supported, padded), every listed implementation, and
+  options whose suite value differs from the default."""
+  from test_shared_suite import PARITY_SHAPES, _parity_params
+  left = [p.name for p in _keywords(spec) if _suite_calls(spec, p)]
+  assert {"is_causal", "key_value_seq_lengths"} <= set(left)
+  assert any(padded for _, padded in PARITY_SHAPES)
+  params = [param.values for param in _parity_params()]
+  judged = {(case.spec.name, case.implementation, is_causal)
+            for cases, is_causal, _, _ in params for case in cases}
+  for name in left:
+    if name == "implementation":  # Each but the oracle's own, judged against it.
+      listed = {i for i in spec.implementations if i is not None}
+      assert {i for n, i, _ in judged if n == spec.name} >= listed - {"reference"}
+    elif name not in CALL_KEYWORDS:
+      assert not _same(suite_options(spec)[name], inspect.signature(spec.function)
+                       .parameters[name].default)
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda spec: spec.name)
