@@ -11,6 +11,7 @@ executed here); the benchmark tables are rendered from the JSON files under
 
 from __future__ import annotations
 
+import inspect
 import pathlib
 import re
 import shutil
@@ -22,6 +23,7 @@ sys.path.insert(0, str(ROOT))  # linattn_jax, also without an install.
 sys.path.insert(0, str(DOCS))  # render_results.
 
 import render_results  # noqa: E402
+from sphinx.ext.autodoc import preserve_defaults  # noqa: E402
 
 project = "linattn_jax"
 author = "linattn_jax contributors"
@@ -55,6 +57,8 @@ autodoc_member_order = "bysource"
 autodoc_typehints = "signature"
 autodoc_typehints_format = "short"
 autodoc_preserve_defaults = True
+# Signatures name jax.typing.ArrayLike rather than spelling out the union it stands for.
+autodoc_type_aliases = {"ArrayLike": "jax.typing.ArrayLike"}
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 napoleon_use_rtype = False
@@ -70,8 +74,10 @@ html_theme_options = {
     "show_toc_level": 2,
     "home_page_in_toc": True,
     "use_download_button": False,
+    "collapse_navbar": True,  # Only the current branch: every page renders less navigation.
 }
-html_static_path: list[str] = []
+html_static_path = ["_static"]
+html_css_files = ["custom.css"]
 templates_path = ["_templates"]
 
 
@@ -92,7 +98,19 @@ def _join_literal_suffixes(app, what, name, obj, options, lines):
   lines[:] = [_LITERAL_THEN_WORD.sub(r"\1\\ \2", line) for line in lines]
 
 
+def _constructor_signature(app, what, name, obj, options, signature, return_annotation):
+  """Flax NNX modules are built through a metaclass whose ``__call__`` takes ``*args,
+  **kwargs``; show the constructor's own arguments instead (their types are in the text)."""
+  if what == "class" and signature and signature.startswith("(*args"):
+    preserve_defaults.update_defvalue(app, obj.__init__, False)  # Defaults as in the source.
+    parameters = list(inspect.signature(obj.__init__).parameters.values())[1:]
+    bare = [q.replace(annotation=inspect.Parameter.empty) for q in parameters]
+    return str(inspect.Signature(bare)), None
+  return None
+
+
 def setup(app):
+  app.connect("autodoc-process-signature", _constructor_signature)
   app.connect("autodoc-skip-member", _skip_tuple_fields)
   app.connect("autodoc-process-docstring", _join_literal_suffixes, priority=400)
 

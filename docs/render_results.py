@@ -125,22 +125,21 @@ def render_benchmark(report: dict[str, Any]) -> str:
 def render_model_step(report: dict[str, Any]) -> str:
   meta, records = report["metadata"], report["records"]
   config = meta["config"]
-  lengths = sorted({r["length"] for r in records})
   parts = [f"{_machine(meta)} Width {config['width']}, {config['layers']} blocks, "
            f"{config['heads']} heads, B = {config['batch']}, {config['dtype']}; median of "
            f"{config['repeats']} alternating rounds."]
-  header = ["variant (options)", *(f"T = {t:,}: (a)/(c)" for t in lengths),
-            *(f"T = {t:,}: (a)/(b)" for t in lengths), "identity step (ms)"]
+  header = ["variant (options)", "T", "(a) / (c)", "(a) / (b)", "(a) ms", "(b) ms", "(c) ms"]
   rows = []
-  for name in dict.fromkeys(r["attention"] for r in records):
-    mine = {r["length"]: r for r in records if r["attention"] == name}
-    options = next(iter(mine.values()))["options"]
-    shown = ", ".join(f"{k}={json.dumps(v)}" for k, v in options.items())
-    label = f"`{name}`" + (f" ({shown})" if shown else "")
-    get = lambda t, key, mine=mine: mine[t].get(key) if t in mine else None  # noqa: E731
-    rows.append([label, *(_ratio(get(t, "ours_vs_identity")) for t in lengths),
-                 *(_ratio(get(t, "ours_vs_flax")) for t in lengths),
-                 " / ".join(_ms(get(t, "identity_s")) for t in lengths)])
+  order = list(dict.fromkeys(r["attention"] for r in records))
+  for r in sorted(records, key=lambda r: (order.index(r["attention"]), r["length"])):
+    shown = ", ".join(f"{k}={json.dumps(v)}" for k, v in r["options"].items())
+    label = f"`{r['attention']}`" + (f" ({shown})" if shown else "")
+    if r["status"] != "ok":
+      rows.append([label, f"{r['length']:,}", "error", "", "", "", ""])
+      continue
+    rows.append([label, f"{r['length']:,}", _ratio(r.get("ours_vs_identity")),
+                 _ratio(r.get("ours_vs_flax")), _ms(r.get("ours_s")), _ms(r.get("flax_s")),
+                 _ms(r.get("identity_s"))])
   parts.append(_table(header, rows))
   return "\n\n".join(parts) + "\n"
 
@@ -156,23 +155,20 @@ def _bytes(n: int | None) -> str:
 
 def render_decode(report: dict[str, Any]) -> str:
   records = report["records"]
-  positions = sorted({r["position"] for r in records})
   meta = {"backend": report.get("device", "?"), "jax": report.get("jax")}
   parts = [f"Measured on {meta['backend']}, jax {meta['jax']}. One layer, B = "
            f"{report['batch']}, N = {report['heads']}, K = {report['num_kv_heads']}, H = D = "
            f"{report['head_dim']}, float32; {report['steps']} single-token steps per timed "
            "`lax.scan`, median per token."]
-  header = ["variant (cache)", *(f"P = {p:,}: step (ms)" for p in positions),
-            *(f"P = {p:,}: cache" for p in positions), "step / one read of the cache"]
+  header = ["variant", "cache", "position P", "cache bytes", "step (ms)",
+            "step / one read of the cache"]
   rows = []
-  for name in dict.fromkeys(r["attention"] for r in records):
-    mine = {r["position"]: r for r in records if r["attention"] == name}
-    kind = next(iter(mine.values()))["cache_kind"]
-    rows.append([f"`{name}` ({kind})",
-                 *(_ms(mine[p].get("step_s")) if p in mine else "–" for p in positions),
-                 *(_bytes(mine[p].get("cache_bytes")) if p in mine else "–" for p in positions),
-                 " / ".join(f"{mine[p]['step_over_read']:.2f}" for p in positions
-                            if "step_over_read" in mine.get(p, {}))])
+  for r in records:
+    ratio = r.get("step_over_read")
+    rows.append([f"`{r['attention']}`", r["cache_kind"], f"{r['position']:,}",
+                 _bytes(r.get("cache_bytes")),
+                 _ms(r.get("step_s")) if r["status"] == "ok" else r["status"][:40],
+                 "–" if ratio is None else f"{ratio:.2f}"])
   parts.append(_table(header, rows))
   return "\n\n".join(parts) + "\n"
 
