@@ -48,6 +48,7 @@ myst_enable_extensions = ["colon_fence", "dollarmath", "deflist"]
 myst_heading_anchors = 4  # `page.md#a-heading` links resolve to the heading's slug, as on GitHub.
 nb_execution_mode = "off"  # Render the saved outputs; the test suite runs the notebooks.
 nb_merge_streams = True
+nb_render_markdown_format = "myst"  # Markdown outputs (the tables notebooks print) as tables.
 
 # --- API reference ------------------------------------------------------------
 autosummary_generate = True
