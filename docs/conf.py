@@ -41,7 +41,7 @@ extensions = [
 # Generated at build time, never committed: the notebooks' copies, the tables, the API stubs.
 NOTEBOOKS_COPY = DOCS / "notebooks"
 GENERATED = DOCS / "_generated"
-exclude_patterns = ["_build", "_generated", "results", "README.md", "**.ipynb_checkpoints"]
+exclude_patterns = ["_build", "_generated", "results", "**.ipynb_checkpoints"]
 
 # --- MyST and notebooks -----------------------------------------------------
 myst_enable_extensions = ["colon_fence", "dollarmath", "deflist"]

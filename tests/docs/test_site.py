@@ -3,7 +3,7 @@
 The API pages (``docs/api/*.md``) declare their entries in ``autosummary``
 lists; every public name of ``linattn_jax`` and its namespaces has one entry.
 Every notebook is a page; every result file renders into a table that a page
-includes; every link from the README into ``docs/`` lands on a heading. The
+includes; every link into ``docs/`` from the README or the code lands on a heading. The
 support matrix (``docs/variants.md``) says what the registry declares. The
 build itself (``sphinx-build -W``) runs in CI, after the tests.
 """
@@ -103,16 +103,28 @@ def _slug(heading: str) -> str:
   return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
 
 
+def _headings(page: pathlib.Path) -> set[str]:
+  return {_slug(h) for h in re.findall(r"^#{1,4} (.+)$", page.read_text(), flags=re.M)}
+
+
 def test_readme_links_into_docs_land_on_headings():
   readme = (ROOT / "README.md").read_text()
   links = re.findall(r"\]\((docs/[\w/]+\.md)(?:#([\w-]+))?\)", readme)
   assert links
   for page, anchor in links:
     assert (ROOT / page).exists(), page
-    text = (ROOT / page).read_text()
     if anchor:
-      slugs = {_slug(h) for h in re.findall(r"^#{1,4} (.+)$", text, flags=re.M)}
-      assert anchor in slugs, f"{page}#{anchor}"
+      assert anchor in _headings(ROOT / page), f"{page}#{anchor}"
+
+
+def test_code_links_to_measurements_land_on_headings():
+  """Code comments cite timings by a link such as ``docs/benchmarks.md#chunk-size``."""
+  sources = [p for folder in ("linattn_jax", "experiments", "tests", "notebooks")
+             for p in (ROOT / folder).rglob("*") if p.suffix in (".py", ".ipynb")]
+  for source in sources:
+    for page, anchor in re.findall(r"docs/([\w/]+\.md)#([\w-]+)", source.read_text()):
+      assert (DOCS / page).exists() and anchor in _headings(DOCS / page), (
+          f"{source.relative_to(ROOT)}: docs/{page}#{anchor}")
 
 
 # The support matrix's rows, by registry name; the other registry entries reuse a row's
