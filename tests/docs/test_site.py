@@ -86,6 +86,43 @@ def test_every_result_file_renders_into_an_included_table(tmp_path):
     assert "\n|---|" in path.read_text(), f"{path.name}: no table"
 
 
+def _command_for(folder: str) -> str:
+  """The page's shell command that wrote ``docs/results/<folder>``, continuation lines joined."""
+  pages = "".join(p.read_text() for p in DOCS.glob("*.md"))
+  for block in re.findall(r"```bash\n(.*?)```", pages, flags=re.S):
+    command = block.replace("\\\n", " ")
+    if f"--output_dir=docs/results/{folder}" in command.split():
+      return command
+  raise AssertionError(f"no command writes docs/results/{folder}")
+
+
+def _flag(command: str, name: str) -> str | None:
+  found = re.search(rf"--{name}=(\S+)", command)
+  return found and found.group(1)
+
+
+def test_each_result_file_was_written_by_the_command_beside_it():
+  """The settings a file records are the ones its command on the page passes."""
+  for path in sorted(DOCS.glob("results/*/*.json")):
+    report, command = json.loads(path.read_text()), _command_for(path.parent.name)
+    if path.name == "benchmark.json":
+      config = report["metadata"]["config"]
+      assert _flag(command, "lengths") == ",".join(map(str, config["lengths"])), path
+      assert _flag(command, "variants") == ",".join(config["variants"]), path
+      assert int(_flag(command, "repeats") or 5) == config["repeats"], path
+    elif path.name == "model_step.json":
+      config = report["metadata"]["config"]
+      assert _flag(command, "seq_lengths") == ",".join(map(str, config["lengths"])), path
+      assert _flag(command, "attentions") == ",".join(config["attentions"]), path
+      assert int(_flag(command, "repeats") or 5) == config["repeats"], path
+    elif path.name == "decode.json":
+      records = report["records"]
+      positions = ",".join(map(str, dict.fromkeys(r["position"] for r in records)))
+      assert _flag(command, "positions") == positions, path
+      attentions = ",".join(dict.fromkeys(r["attention"] for r in records))
+      assert _flag(command, "attentions") == attentions, path
+
+
 def test_benchmark_tables_show_the_measured_medians(tmp_path):
   render = _render_results()
   render.render_all(DOCS / "results", tmp_path)
