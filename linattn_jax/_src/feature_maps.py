@@ -498,7 +498,7 @@ def random_fourier(projection: Any) -> RandomFourier:
 def gaussian_random_projection(
     rng: jax.Array, num_features: int, head_dim: int, dtype: Any = jnp.float32
 ) -> jax.Array:
-  """``[M, H]`` projection with i.i.d. ``N(0, 1)`` entries.
+  """``[M, H]`` projection with independent ``N(0, 1)`` entries.
 
   Args:
     rng: a PRNG key.

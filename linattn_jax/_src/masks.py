@@ -180,7 +180,7 @@ def normalize_window(window_size: Any, *, fn: str, name: str = "window_size") ->
 
 
 def local(T: int, S: int, window_size: Any) -> jax.Array:
-  """Sliding-window mask ``[T, S]``: query i sees keys ``i-left .. i+right``.
+  """Sliding-window mask ``[T, S]``: query i sees keys ``i-left`` to ``i+right``.
 
   ``window_size`` is an int (symmetric) or ``(left, right)``, as in
   ``jax.nn.dot_product_attention``'s ``local_window_size``. With T != S the
