@@ -240,7 +240,7 @@ def efficient_attention(
       ``"chunked"`` when causal, else ``"parallel"``. ``"scan"`` and
       ``"chunked"`` compute the non-causal form like ``"parallel"``.
     chunk_size: chunk length C of the causal forms (static). None: the default
-      backend's measured best, 64 (docs/benchmarks.md, "Chunk size").
+      backend's measured best, 64 (docs/benchmarks.md#chunk-size).
 
   Returns:
     ``[B, T, N, D]`` (or ``[T, N, D]``) in the input dtype, rows with no

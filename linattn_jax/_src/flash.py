@@ -177,7 +177,7 @@ def backward(cfg: FlashConfig, residuals: Residuals,
   # dK and dV are accumulated transposed, [H, C] and [D, C]: as ``q_blockᵀ · dS`` and
   # ``dO_blockᵀ · P`` the products read the [Q, C] blocks as they lie, and only the small
   # query-side blocks are transposed (as ``dSᵀ · q`` XLA:CPU copied every [Q, C] block
-  # transposed first). Timings: docs/benchmarks.md, "Flash against XLA".
+  # transposed first). Timings: docs/variants.md#differences-from-jaxnn.
   def one_key_block(d_q, args):
     j, k_blk, v_blk = args
     k_acc, v_acc = k_blk.astype(acc), v_blk.astype(acc)

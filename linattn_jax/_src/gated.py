@@ -153,7 +153,7 @@ def _gla_chunk(config, S, chunk: recurrence.Chunk):
 # GLA's chunk form weighs the pairs inside blocks of this many positions directly (C·4·H
 # exponentials), and halves above them: the direct blocks grow as C·span·H, the levels
 # below them are products too small to run fast; 4 was the fastest span on CPU
-# (docs/benchmarks.md, "Chunk size").
+# (docs/benchmarks.md#chunk-size).
 _GLA_DIRECT_SPAN = 4
 
 

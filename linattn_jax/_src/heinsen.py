@@ -298,7 +298,7 @@ def heinsen_attention(
       mode only, the other forms in both), or None: ``"chunked"`` when causal, else
       ``"parallel"``.
     chunk_size: positions per chunk of the causal forms (static). None: the default
-      backend's measured best, 64 (docs/benchmarks.md, "Chunk size").
+      backend's measured best, 64 (docs/benchmarks.md#chunk-size).
 
   Returns:
     ``[B, T, N, D]`` (or ``[T, N, D]``) in the input dtype, zeros for queries that see no

@@ -37,7 +37,7 @@ The feature map runs inside its checkpointed body, on one chunk at a time
 (``prepare``): the ``[T, M]`` features of a whole sequence, and their
 cotangents, never exist, and the backward pass recomputes a chunk's features
 where it needs them (for Performer this more than halves forward + backward
-time and memory: docs/benchmarks.md, "Chunk size").
+time and memory: docs/benchmarks.md#chunk-size).
 
 Within a chunk, the ``"chunked"`` body forms the masked ``[C, C]``
 matrix of query-key weights. With a per-feature log-scale each query has its
@@ -49,7 +49,7 @@ different sizes) are recomputed per query (``[C, C, M]`` exponentials). Each
 row's value depends on its own past only, bit for bit. These per-feature
 forms run every chunk at once (:func:`_blocks_at_once`): only the states
 are scanned, from the chunks' summaries, and every chunk then reads its own
-in batched products (faster on CPU, for more memory: docs/benchmarks.md).
+in batched products (faster on CPU, for more memory: docs/benchmarks.md#recurrent-core-timings).
 
 Internal layout: query features ``[B, K, G, T, M|1]`` and log-scales
 ``[B, K, G, T, M'|1]``; key features ``[B, K, S, M|1]`` and log-scales

@@ -206,7 +206,7 @@ def linear_attention(
     chunk_size: C, the chunk length of the causal forms (the unit of
       recomputation in the backward pass; the last chunk may be partial).
       None: the default backend's measured best, 64 on CPU and 256 on GPU
-      (docs/benchmarks.md, "Chunk size").
+      (docs/benchmarks.md#chunk-size).
 
   Returns:
     ``[B, T, N, D]`` in the input dtype, or ``(out, LinearState)`` with

@@ -74,8 +74,9 @@ def divide_rows(x: jax.Array, den: jax.Array) -> jax.Array:
 
   The product with ``1 / den`` is written as an einsum, so that its gradient
   with respect to ``den`` (``Σ_d g_d x_d``) is a batched product too: as a
-  reduction over the minor axis it is XLA:CPU's slow path (docs/benchmarks.md,
-  "Chunk size"). A row that saw no key (``den = 0``) reads 0, with finite gradients.
+  reduction over the minor axis it is XLA:CPU's slow path
+  (docs/benchmarks.md#recurrent-core-timings). A row that saw no key
+  (``den = 0``) reads 0, with finite gradients.
   """
   empty = den == 0
   return jnp.where(empty[..., None], 0.0,

@@ -154,7 +154,7 @@ def performer_attention(
       ``"chunked"``, or None (``"chunked"`` if causal, else ``"parallel"``).
     chunk_size: C for the causal forms (None: the backend's measured best, 128 on
       CPU, where a larger chunk feeds more rows to each feature projection, 512 on
-      GPU: docs/benchmarks.md, "Chunk size").
+      GPU: docs/benchmarks.md#chunk-size).
 
   Returns:
     ``[B, T, N, D]`` in the input dtype, or ``(out, PerformerState)``.

@@ -63,7 +63,7 @@ from linattn_jax._src.registry import (
 ChunkForm = Literal["kernel", "random_features", "per_feature", "gla", "log_value"]
 # C of a form's chunked implementation when ``chunk_size=None``, by
 # ``jax.default_backend()`` (None: any other backend, TPU included, unmeasured); each the
-# fastest measured (docs/benchmarks.md, "Chunk size").
+# fastest measured (docs/benchmarks.md#chunk-size).
 _DEFAULT_CHUNK_SIZES: dict[str, dict[str | None, int]] = {
     "kernel": {"gpu": 256, None: 64},
     "random_features": {"gpu": 512, None: 128},

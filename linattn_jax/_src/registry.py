@@ -33,8 +33,10 @@ class AttentionFn(Protocol):
   with query ``[B, T, N, H]``, key ``[B, S, K, H]``, value ``[B, S, K, D]``
   (K divides N; or all three unbatched, without B) and ``out`` ``[B, T, N, D]``
   in the input dtype. ``is_causal``: query t sees keys ``j <= t + S - T``;
-  ``key_value_seq_lengths``: optional ``[B]`` ints, keys at or past it are
-  masked. The variant's own options are bound when the function is built, so
+  False by default for every entry (as in ``jax.nn``), and a variant that is
+  causal only (``AttentionSpec.supports_noncausal`` False) raises a ValueError
+  for it. ``key_value_seq_lengths``: optional ``[B]`` ints, keys at or past it
+  are masked. The variant's own options are bound when the function is built, so
   experiments and layers swap variants by name alone.
 
   Examples:

@@ -25,7 +25,7 @@ SoftmaxImplementation = Literal["reference", "xla", "flash"]
 IMPLEMENTATIONS: tuple[str, ...] = typing.get_args(SoftmaxImplementation)
 
 # `implementation=None` runs flash from FLASH_MIN_SCORES scores per head (T·S) on the backends
-# where it was measured faster than XLA's path: docs/benchmarks.md, "Flash against XLA". Other
+# where it was measured faster than XLA's path: docs/variants.md#differences-from-jaxnn. Other
 # backends keep XLA's fused path until the [B, N, T, S] float32 scores would pass
 # FLASH_THRESHOLD_ELEMENTS (2 GiB), where flash's O(T) memory decides.
 FLASH_MIN_SCORES: dict[str, int] = {"cpu": 128 * 128}
@@ -65,8 +65,8 @@ def softmax_attention(
   ``out[b, t, n] = sum_s w[b, n, t, s] v[b, s, n // G]`` with
   ``w = softmax_s(q[b, t, n] · k[b, s, n // G] · scale + bias)`` over the
   visible keys. Every argument of ``jax.nn.dot_product_attention`` is taken,
-  in its order; the README lists where the results differ and why: a row
-  with no visible key is zeros (jax.nn: the mean of the values), D may
+  in its order; docs/variants.md#differences-from-jaxnn lists where the results
+  differ and why: a row with no visible key is zeros (jax.nn: the mean of the values), D may
   differ from H, and **with T != S, causal and window masks are aligned
   bottom-right** (query i sits at key position ``i + S - T``, as when T new
   tokens follow S - T cached ones) where jax.nn aligns them top-left;

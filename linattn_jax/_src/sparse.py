@@ -105,7 +105,8 @@ def _all_keys(rows: np.ndarray, S: int) -> Plan:
 # The query block of the windowed patterns (local, longformer) when none is given: the
 # window's width left + right, within these bounds. Each block reads Q + left + right keys,
 # so a larger block wastes more of its scores but makes fewer, larger products, which run
-# faster on CPU (docs/benchmarks.md, "Block size"); GPU and TPU take the same rule.
+# faster on CPU (docs/benchmarks.md#block-size-of-local-and-longformer); GPU and TPU take
+# the same rule.
 _WINDOW_BLOCK_BOUNDS = (64, 256)
 
 

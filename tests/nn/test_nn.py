@@ -152,7 +152,8 @@ def test_prefill_then_steps_equals_one_causal_call(name, dtype):
   want, got = _full_and_pieces(layer, x)
   assert got.dtype == want.dtype == dtype
   atol, rtol = TOLERANCE[jnp.dtype(dtype)]
-  if name == "random_fourier":  # Signed features: a normaliser can nearly cancel (see README).
+  # Signed features: a normaliser can nearly cancel (docs/testing.md#how-the-shared-suite-judges).
+  if name == "random_fourier":
     atol, rtol = 10 * atol, 10 * rtol
   np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
                              atol=atol, rtol=rtol, err_msg=name)

@@ -226,7 +226,7 @@ def test_chunk_size_none_is_the_backends_measured_default(fn, extra, form):
   """``chunk_size=None`` traces the program of the backend's C for the chunked form; T = 80
   is one chunk at C >= 80 and several at 32 or 64."""
   from linattn_jax._src import recurrence
-  # The values the README documents, stated here on their own.
+  # The values docs/benchmarks.md#chunk-size documents, stated here on their own.
   backend = jax.default_backend()
   assert recurrence.default_chunk_size() == {"gpu": 256}.get(backend, 64)
   assert recurrence.default_chunk_size("random_features") == {"gpu": 512}.get(backend, 128)
