@@ -530,7 +530,8 @@ def gated_linear_attention_step(state: GatedState, query: ArrayLike, key: ArrayL
     ``(state, out [B, N, D])``, the state in the dtype it came in.
 
   Raises:
-    ValueError: on ranks or shapes that do not match each other or the state.
+    ValueError: on ranks or shapes that do not match each other or the state, or
+      per-token inputs outside their ranges (where concrete).
 
   Examples:
     >>> state = la.init_gated_state(batch=1, num_kv_heads=2, head_dim=4, value_dim=4)
