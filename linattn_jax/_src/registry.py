@@ -294,6 +294,7 @@ class TokenInput:
 
   @property
   def bounds(self) -> tuple[float, float]:
+    """The closed range of its entries (its role's)."""
     return self.role.bounds
 
 
