@@ -153,6 +153,15 @@ def softmax_attention(
     >>> bool(jnp.allclose(ours, theirs, atol=1e-6)), bool(jnp.allclose(lse, their_lse, atol=1e-6))
     (True, True)
 
+    Packed sequences: one call over two sequences of 3 and 5 tokens equals each alone:
+
+    >>> x = jax.random.normal(jax.random.key(2), (1, 8, 2, 4))
+    >>> ids = jnp.array([[0, 0, 0, 1, 1, 1, 1, 1]])
+    >>> packed = la.softmax_attention(x, x, x, is_causal=True, segment_ids=ids)
+    >>> second = la.softmax_attention(x[:, 3:], x[:, 3:], x[:, 3:], is_causal=True)
+    >>> bool(jnp.allclose(packed[:, 3:], second, atol=1e-6))
+    True
+
   References:
     Vaswani et al., "Attention Is All You Need", 2017. Shazeer, "Fast Transformer
     Decoding: One Write-Head is All You Need", 2019 (MQA). Ainslie et al., "GQA: Training
