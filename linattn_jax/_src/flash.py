@@ -128,11 +128,18 @@ class FlashConfig:
     return lo, jnp.maximum(lo, hi)
 
 
+def _pad_ids(ids: jax.Array | None, block: int) -> jax.Array | None:
+  """``ids [B, L]`` padded to a multiple of ``block`` by repeating the last id (so that
+  they stay non-decreasing); the padded positions are masked by their position."""
+  if ids is None:
+    return None
+  extra = num_blocks(ids.shape[1], block) * block - ids.shape[1]
+  return jnp.pad(ids, ((0, 0), (0, extra)), mode="edge") if extra else ids
+
+
 def _block_ids(ids: jax.Array, i, block: int) -> jax.Array:
-  """The ids ``[B, block]`` of block i of ``ids [B, L]`` (the padding repeats the last)."""
-  ids = jnp.pad(ids, ((0, 0), (0, num_blocks(ids.shape[1], block) * block - ids.shape[1])),
-                mode="edge")
-  return lax.dynamic_slice_in_dim(ids, i * block, block, axis=1)
+  """The ids ``[B, block]`` of block i of ``ids [B, L]`` (padded by :func:`_pad_ids`)."""
+  return lax.dynamic_slice_in_dim(_pad_ids(ids, block), i * block, block, axis=1)
 
 
 def _segment_span(own, other, i, block: int, length: int):
@@ -178,6 +185,7 @@ def forward(cfg: FlashConfig, q, k, v, q_len, kv_len, q_seg=None, kv_seg=None):
   q_blocks = split_blocks(q, 3, cfg.block_q)  # [nq, B, K, G, bq, H]
   k_blocks = split_blocks(k, 2, cfg.block_k)  # [nk, B, K, bk, H]
   v_blocks = split_blocks(v, 2, cfg.block_k)  # [nk, B, K, bk, D]
+  q_seg, kv_seg = _pad_ids(q_seg, cfg.block_q), _pad_ids(kv_seg, cfg.block_k)  # Once.
 
   def one_query_block(args):
     i, q_blk = args
@@ -214,6 +222,7 @@ def backward(cfg: FlashConfig, residuals: Residuals,
   delta_blocks = split_blocks(delta, 3, cfg.block_q)
   k_blocks = split_blocks(k, 2, cfg.block_k)
   v_blocks = split_blocks(v, 2, cfg.block_k)
+  q_seg, kv_seg = _pad_ids(q_seg, cfg.block_q), _pad_ids(kv_seg, cfg.block_k)  # Once.
 
   # dK and dV are accumulated transposed, [H, C] and [D, C]: as ``q_blockᵀ · dS`` and
   # ``dO_blockᵀ · P`` the products read the [Q, C] blocks as they lie, and only the small
