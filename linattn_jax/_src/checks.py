@@ -147,6 +147,96 @@ def check_lengths(
   return out
 
 
+def check_segment_ids(
+    segment_ids: Any, prepared: Prepared, *, fn: str, name: str = "segment_ids"
+) -> tuple[jax.Array, jax.Array] | None:
+  """Validates packed-sequence ids; returns batched int32 ``(query_ids [B, T], kv_ids [B, S])``.
+
+  ``segment_ids`` is None (nothing packed), one int array ``[B, T]`` that serves
+  queries and keys (only when T == S), or, when T != S, the pair
+  ``(query_segment_ids [B, T], kv_segment_ids [B, S])`` as a tuple. Unbatched calls
+  drop B (``[T]``; ``[1, T]`` is taken too, as for the lengths). Position t attends
+  to key j only where ``query_ids[b, t] == kv_ids[b, j]``.
+
+  What is checked when: shapes and the integer dtype at trace time, always; that the
+  ids do not decrease along their axis only for concrete arrays (an eager call; under
+  ``jax.jit`` the values are tracers and cannot be read, so decreasing ids there go
+  unnoticed: the dense paths still mask by equality, blockwise paths that skip key
+  blocks by the segments' ranges may then drop keys).
+
+  Raises:
+    ValueError: naming ``name`` and the shapes, for a float (or other non-integer)
+      array, a wrong shape, a single array where T != S, a pair where T == S (or a
+      tuple that is not a pair), and concrete ids that decrease.
+  """
+  if segment_ids is None:
+    return None
+  B, T, S = prepared.dims.B, prepared.dims.T, prepared.dims.S
+  lead = "[B, " if prepared.batched else "["
+  pair = isinstance(segment_ids, tuple | list)
+  if pair and len(segment_ids) != 2:
+    raise ValueError(
+        f"{fn}: {name} must be one array or a pair (query_segment_ids, kv_segment_ids); "
+        f"got a {type(segment_ids).__name__} of {len(segment_ids)} items."
+    )
+  if not pair and T != S:
+    shape = getattr(segment_ids, "shape", None)
+    raise ValueError(
+        f"{fn}: query length T={T} differs from key length S={S}, so {name} must be the "
+        f"pair (query_segment_ids {lead}T], kv_segment_ids {lead}S]) = ({lead}{T}], "
+        f"{lead}{S}]) as a tuple; got one array of shape {shape}."
+    )
+  if pair and T == S:
+    shapes = tuple(getattr(x, "shape", None) for x in segment_ids)
+    raise ValueError(
+        f"{fn}: with T == S = {T}, {name} must be one array {lead}T] = {lead}{T}] serving "
+        f"queries and keys; got a pair of shapes {shapes}."
+    )
+  items = (("query_segment_ids", segment_ids[0], T), ("kv_segment_ids", segment_ids[1], S)
+           ) if pair else ((name, segment_ids, T),)
+  out = []
+  for what, x, length in items:
+    x = jnp.asarray(x)
+    label = f"{name} ({what})" if pair else name
+    want = (B, length) if prepared.batched else (length,)
+    if x.shape != want and not (not prepared.batched and x.shape == (1, length)):
+      raise ValueError(
+          f"{fn}: {label} must have shape {lead}{'T' if length == T else 'S'}] = "
+          f"{want}; got {x.shape}."
+      )
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+      raise ValueError(f"{fn}: {label} must be integers; got {x.dtype} of shape {x.shape}.")
+    out.append(jnp.reshape(x, (B, length)).astype(jnp.int32))
+  check_segment_order(segment_ids, name=name, fn=fn)
+  return (out[0], out[-1])
+
+
+def check_segment_order(segment_ids: Any, *, name: str = "segment_ids", fn: str) -> None:
+  """Raises ``ValueError`` if concrete integer ``segment_ids`` (one array or a pair)
+  decrease along their last axis; traced arrays and other malformed input pass (the
+  trace-time checks of :func:`check_segment_ids` judge those)."""
+  if segment_ids is None:
+    return
+  arrays = segment_ids if isinstance(segment_ids, tuple | list) else (segment_ids,)
+  for x in arrays:
+    if isinstance(x, jax.core.Tracer):
+      continue
+    try:
+      x = np.asarray(x)
+    except Exception:  # noqa: BLE001 (a non-array is judged at trace time).
+      continue
+    if x.ndim == 0 or not np.issubdtype(x.dtype, np.integer):
+      continue
+    steps = np.diff(x.astype(np.int64), axis=-1)
+    if np.any(steps < 0):
+      where = tuple(int(i) for i in np.argwhere(steps < 0)[0])
+      raise ValueError(
+          f"{fn}: {name} must not decrease along the sequence (packing gives "
+          f"non-decreasing ids); the array of shape {x.shape} decreases after index "
+          f"{where}."
+      )
+
+
 def check_broadcast(
     x: Any, *, name: str, target: Sequence[int], fn: str, dtype_kind: str
 ) -> jax.Array | None:
@@ -226,7 +316,10 @@ def check_static_bool(value: Any, *, name: str, fn: str) -> bool:
   return bool(value)
 
 
-def compiled(*static_argnames: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def compiled(
+    *static_argnames: str,
+    concrete_checks: dict[str, Callable[..., None]] | None = None,
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
   """Runs a public function as one compiled program, eager calls included.
 
   Arrays are traced arguments and the named options are static: a list
@@ -234,7 +327,13 @@ def compiled(*static_argnames: str) -> Callable[[Callable[..., Any]], Callable[.
   raises ``ValueError`` saying to mark it static. Under an outer
   ``jax.jit`` the program is inlined; eagerly, each set of static options
   and shapes compiles once instead of dispatching op by op.
+
+  ``concrete_checks`` maps a keyword to ``check(value, name=, fn=)``, run on the
+  value before tracing: the place for checks of array *values* (``segment_ids``
+  that decrease), which can only be made while the array is concrete.
   """
+  concrete_checks = dict(concrete_checks or {})
+
   def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
     jitted = jax.jit(fn, static_argnames=static_argnames)
 
@@ -243,6 +342,9 @@ def compiled(*static_argnames: str) -> Callable[[Callable[..., Any]], Callable[.
       for name in static_argnames:
         if name in kwargs:
           kwargs[name] = static_option(kwargs[name], name=name, fn=fn.__name__)
+      for name, check in concrete_checks.items():
+        if kwargs.get(name) is not None:
+          check(kwargs[name], name=name, fn=fn.__name__)
       return jitted(*args, **kwargs)
 
     return wrapper

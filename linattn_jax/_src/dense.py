@@ -13,7 +13,9 @@ heads (G = N // K), H query/key head dim, D value head dim.
 Masks combine by logical and: the boolean ``mask`` (True = attend), the causal
 pattern (query i sees keys ``j <= i + S - T``, bottom-right aligned, see
 ``masks.causal``) and the padding from ``query_seq_lengths`` /
-``key_value_seq_lengths``. A query row that can see no key returns zeros.
+``key_value_seq_lengths``, and, for packed sequences, equal ``segment_ids``
+(query t sees key j only if ``q_ids[b, t] == kv_ids[b, j]``). A query row that
+can see no key returns zeros.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class Args(NamedTuple):
   key_value_seq_lengths: jax.Array | None  # [B] int32
   window: tuple[int, int] | None = None  # (left, right) of local_window_size.
   offset: int = 0  # Query i sits at key position i + offset: S - T (bottom-right) or 0.
+  segment_ids: tuple[jax.Array, jax.Array] | None = None  # ([B, T], [B, S]) int32.
 
 
 CausalAlignment = Literal["bottom_right", "top_left"]
@@ -48,7 +51,7 @@ CausalAlignment = Literal["bottom_right", "top_left"]
 
 def prepare(query, key, value, *, bias, mask, is_causal, scale,
             query_seq_lengths, key_value_seq_lengths, fn: str, local_window_size: Any = None,
-            causal_alignment: CausalAlignment = "bottom_right") -> Args:
+            causal_alignment: CausalAlignment = "bottom_right", segment_ids: Any = None) -> Args:
   p = checks.prepare_qkv(query, key, value, fn=fn)
   B, T, S, N, H = p.dims.B, p.dims.T, p.dims.S, p.dims.N, p.dims.H
   # Unbatched calls broadcast masks and biases as jax.nn does: to [1, N, T, S].
@@ -70,8 +73,17 @@ def prepare(query, key, value, *, bias, mask, is_causal, scale,
   window = (None if local_window_size is None
             else masks_lib.normalize_window(local_window_size, fn=fn, name="local_window_size"))
   offset = S - T if causal_alignment == "bottom_right" else 0
+  segments = checks.check_segment_ids(segment_ids, p, fn=fn)
   return Args(p, bias, mask, is_causal, checks.resolve_scale(scale, H), **lengths,
-              window=window, offset=offset)
+              window=window, offset=offset, segment_ids=segments)
+
+
+def segment_mask(a: Args) -> jax.Array | None:
+  """``[B, 1, T, S]``: True where query and key lie in the same packed segment, or None."""
+  if a.segment_ids is None:
+    return None
+  q_ids, kv_ids = a.segment_ids
+  return (q_ids[:, :, None] == kv_ids[:, None, :])[:, None]
 
 
 def position_mask(a: Args) -> jax.Array | None:
@@ -96,6 +108,9 @@ def combined_mask(a: Args) -> jax.Array | None:
   positions = position_mask(a)
   if positions is not None:
     parts.append(positions[None, None])
+  segments = segment_mask(a)
+  if segments is not None:
+    parts.append(segments)
   if a.query_seq_lengths is not None or a.key_value_seq_lengths is not None:
     parts.append(masks_lib.padding(
         T, S, query_seq_lengths=a.query_seq_lengths,
@@ -170,6 +185,9 @@ def xla(a: Args, *, return_residual: bool = False) -> jax.Array | tuple[jax.Arra
     positions = position_mask(a)
     if positions is not None:
       mask = positions[None, None] if mask is None else mask & positions[None, None]
+  segments = segment_mask(a)
+  if segments is not None:
+    mask = segments if mask is None else mask & segments
   # jax.nn promotes bfloat16 with float32 internally, which strict dtype promotion refuses:
   # its own arithmetic runs under the standard rules, ours stays strict.
   with jax.numpy_dtype_promotion("standard"):
@@ -210,6 +228,7 @@ def softmax_attention_reference(
     local_window_size: int | tuple[int, int] | None = None,
     return_residual: bool = False,
     causal_alignment: CausalAlignment = "bottom_right",
+    segment_ids: ArrayLike | tuple[ArrayLike, ArrayLike] | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """The oracle of :func:`softmax_attention`: plain float32 einsums, O(T·S) memory.
 
@@ -232,6 +251,9 @@ def softmax_attention_reference(
     local_window_size: int or ``(left, right)``: keys within the window of the query.
     return_residual: also return the rows' log-sum-exp ``[B, T, N]``.
     causal_alignment: ``"bottom_right"`` or ``"top_left"``, as in :func:`softmax_attention`.
+    segment_ids: packed sequences, as in :func:`softmax_attention`: query t sees key j
+      only where their segment ids are equal (one int array ``[B, T]`` when T == S, else
+      the pair ``(query_segment_ids [B, T], kv_segment_ids [B, S])``).
 
   Returns:
     ``[B, T, N, D]`` (or ``[T, N, D]``) in the input dtype; rows with no visible key
@@ -241,7 +263,8 @@ def softmax_attention_reference(
     ValueError: on bad ranks, mixed or unsupported dtypes, mismatched batch, length or
       head sizes, a mask that is not boolean, a bias that is not floating point, masks or
       biases that do not broadcast, lengths that are not ``[B]`` ints, a malformed window
-      or alignment, or a traced ``is_causal``.
+      or alignment, a traced ``is_causal``, or malformed ``segment_ids`` (see
+      :func:`softmax_attention`).
 
   Examples:
     >>> x = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))
@@ -257,7 +280,8 @@ def softmax_attention_reference(
   a = prepare(query, key, value, bias=bias, mask=mask, is_causal=is_causal, scale=scale,
               query_seq_lengths=query_seq_lengths,
               key_value_seq_lengths=key_value_seq_lengths, local_window_size=local_window_size,
-              causal_alignment=causal_alignment, fn="softmax_attention_reference")
+              causal_alignment=causal_alignment, segment_ids=segment_ids,
+              fn="softmax_attention_reference")
   out = reference(a)
   result = (out, log_sum_exp(a)) if return_residual else out
   return jax.tree.map(a.prepared.restore, result)

@@ -43,7 +43,8 @@ def prefers_flash(B: int, N: int, T: int, S: int, backend: str | None = None) ->
 
 
 @checks.compiled("is_causal", "scale", "implementation", "local_window_size", "return_residual",
-                 "causal_alignment")
+                 "causal_alignment",
+                 concrete_checks={"segment_ids": checks.check_segment_order})
 def softmax_attention(
     query: ArrayLike,
     key: ArrayLike,
@@ -59,6 +60,7 @@ def softmax_attention(
     implementation: SoftmaxImplementation | None = None,
     return_residual: bool = False,
     causal_alignment: CausalAlignment = "bottom_right",
+    segment_ids: ArrayLike | tuple[ArrayLike, ArrayLike] | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Exact scaled dot-product attention, with ``jax.nn.dot_product_attention``'s signature.
 
@@ -102,6 +104,17 @@ def softmax_attention(
       gradient.
     causal_alignment: ``"bottom_right"`` (default) or ``"top_left"`` (query i
       at key position i, as jax.nn); the same when T == S.
+    segment_ids: packed sequences (not in jax.nn; appended after its keywords): int
+      ids, non-decreasing along the sequence, e.g. ``[0, 0, 0, 1, 1, 2]``. Query t
+      sees key j only if ``q_ids[b, t] == kv_ids[b, j]``, in addition to every other
+      mask, bias, window and length above, so that one call equals each segment run
+      alone (causal alignment inside a segment is the ordinary one). With T == S one
+      array ``[B, T]`` (``[T]`` unbatched) serves queries and keys; with T != S pass the
+      pair ``(query_segment_ids [B, T], kv_segment_ids [B, S])`` as a tuple. Shapes and
+      the integer dtype are checked at trace time; that the ids do not decrease only on
+      an eager call (under ``jax.jit`` they are tracers and cannot be read; there,
+      decreasing ids are not caught and flash, which skips key blocks by the
+      segments' ranges, may drop keys of a repeated id).
 
   Returns:
     ``[B, T, N, D]`` (or ``[T, N, D]``) in the input dtype; rows with no
@@ -112,7 +125,9 @@ def softmax_attention(
     ValueError: on bad ranks, mixed dtypes, mismatched batch/length/heads,
       masks or biases that do not broadcast, a malformed window or
       alignment, an unknown implementation, or an option the chosen
-      implementation does not support.
+      implementation does not support; for ``segment_ids`` that are not integers, have
+      the wrong shape, are one array where T != S or a pair where T == S, or (eagerly)
+      decrease.
 
   Examples:
     >>> q = jnp.ones((2, 16, 8, 64)); kv = jnp.ones((2, 16, 2, 64))
@@ -138,6 +153,15 @@ def softmax_attention(
     >>> bool(jnp.allclose(ours, theirs, atol=1e-6)), bool(jnp.allclose(lse, their_lse, atol=1e-6))
     (True, True)
 
+    Packed sequences: one call over two sequences of 3 and 5 tokens equals each alone:
+
+    >>> x = jax.random.normal(jax.random.key(2), (1, 8, 2, 4))
+    >>> ids = jnp.array([[0, 0, 0, 1, 1, 1, 1, 1]])
+    >>> packed = la.softmax_attention(x, x, x, is_causal=True, segment_ids=ids)
+    >>> second = la.softmax_attention(x[:, 3:], x[:, 3:], x[:, 3:], is_causal=True)
+    >>> bool(jnp.allclose(packed[:, 3:], second, atol=1e-6))
+    True
+
   References:
     Vaswani et al., "Attention Is All You Need", 2017. Shazeer, "Fast Transformer
     Decoding: One Write-Head is All You Need", 2019 (MQA). Ainslie et al., "GQA: Training
@@ -151,12 +175,13 @@ def softmax_attention(
       query, key, value, bias=bias, mask=mask, is_causal=is_causal, scale=scale,
       query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
       local_window_size=local_window_size, causal_alignment=causal_alignment, fn=fn,
+      segment_ids=segment_ids,
   )
   B, T, S, N = a.prepared.dims[:4]
   general = a.bias is not None or a.mask is not None or return_residual
   aligned = a.offset == S - T  # The bottom-right alignment every other path uses.
   if implementation is None and a.window is not None:
-    if not general and aligned and a.query_seq_lengths is None:
+    if not general and aligned and a.query_seq_lengths is None and a.segment_ids is None:
       return a.prepared.restore(local_attention(
           *a.prepared[:3], window_size=a.window, is_causal=a.is_causal, scale=a.scale,
           key_value_seq_lengths=a.key_value_seq_lengths))
@@ -172,7 +197,7 @@ def softmax_attention(
     return a.prepared.restore(flash_attention_4d(
         *a.prepared[:3], is_causal=a.is_causal, scale=a.scale,
         query_seq_lengths=a.query_seq_lengths,
-        key_value_seq_lengths=a.key_value_seq_lengths,
+        key_value_seq_lengths=a.key_value_seq_lengths, segment_ids=a.segment_ids,
         block_q=DEFAULT_BLOCK_Q, block_k=DEFAULT_BLOCK_K,
     ))
   if implementation == "reference":

@@ -93,6 +93,7 @@ VALUES = {
     "local_window_size": lambda spec: (2, 1),
     "causal_alignment": lambda spec: "top_left",
     "query_seq_lengths": lambda spec: jnp.array([3], jnp.int32),
+    "segment_ids": lambda spec: jnp.array([[0, 0, 1, 1, 1]], jnp.int32),  # TINY: T = S = 5.
     "is_causal": lambda spec: True,
     "key_value_seq_lengths": lambda spec: kv_lengths(TINY),
 }
@@ -177,8 +178,8 @@ def test_every_keyword_is_usable_with_a_non_default_value(spec, keyword):
           spec.build(**options)(q, k, v, is_causal=value)
         return
       call["is_causal"] = value
-    elif keyword == "key_value_seq_lengths" or keyword == "query_seq_lengths":
-      arrays[keyword] = value
+    elif keyword in ("key_value_seq_lengths", "query_seq_lengths", "segment_ids"):
+      arrays[keyword] = value  # Traced under jit, as a caller's per-batch arrays are.
     else:
       assert not _same(value, default), f"{keyword}: {value!r} is the default"
       options = {**options, keyword: value}

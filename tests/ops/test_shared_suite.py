@@ -466,6 +466,125 @@ def test_a_row_masked_by_an_infinite_bias_is_zero_with_finite_gradients(case):
   np.testing.assert_array_equal(out, ref(q, k, v, bias=bias))
 
 
+# 9. Packed sequences ------------------------------------------------------------
+
+
+SEGMENT_CASES = [c for c in CASES
+                 if "segment_ids" in inspect.signature(c.spec.function).parameters]
+segment_case_param = pytest.mark.parametrize(
+    "case", SEGMENT_CASES, ids=[c.id for c in SEGMENT_CASES])
+PACKED = Shape(B=2, T=11, S=11, N=2, K=1, H=4, D=3)
+# Row 0: segments of 3, 1, 3 and 4 positions (boundaries inside every block size the
+# suite uses), the last one padding past key_value_seq_lengths = 8; row 1: one segment.
+PACKED_IDS = np.array([[0, 0, 0, 1, 2, 2, 2, 3, 3, 3, 3], [5] * 11], np.int32)
+PACKED_LENGTHS = np.array([8, 11], np.int32)
+
+
+def _spans(ids):
+  """``[(id, start, stop)]`` of a non-decreasing row of ids."""
+  starts = [0] + [t for t in range(1, len(ids)) if ids[t] != ids[t - 1]]
+  return [(ids[a], a, b) for a, b in zip(starts, starts[1:] + [len(ids)], strict=True)]
+
+
+def _one_segment_at_a_time(fast, is_causal, q_ids, kv_ids, lengths):
+  """``(q, k, v) -> out``: each segment's queries against its own keys in a call of their
+  own (keys past ``lengths`` masked there too), concatenated; a query whose segment has
+  no key is zeros."""
+  def run(q, k, v):
+    rows = []
+    for b in range(q.shape[0]):
+      keys = {i: (a, z) for i, a, z in _spans(kv_ids[b])}
+      parts = []
+      for i, a, z in _spans(q_ids[b]):
+        if i not in keys:
+          parts.append(jnp.zeros((1, z - a) + q.shape[2:3] + v.shape[3:], q.dtype))
+          continue
+        ka, kz = keys[i]
+        n = np.clip(lengths[b] - ka, 0, kz - ka)[None]
+        parts.append(_call(fast, q[b:b + 1, a:z], k[b:b + 1, ka:kz], v[b:b + 1, ka:kz],
+                           is_causal, jnp.asarray(n, jnp.int32)))
+      rows.append(jnp.concatenate(parts, axis=1))
+    return jnp.concatenate(rows, axis=0)
+  return run
+
+
+def _assert_packed_equals_separate(fast, is_causal, q, k, v, segment_ids, q_ids, kv_ids,
+                                   lengths, err_msg):
+  """Output and gradients of ``Σ ct·out`` of one packed call, jitted and eager, equal
+  those of the segments run one at a time."""
+  def packed(q, k, v, segment_ids, lengths):
+    return fast(q, k, v, is_causal=is_causal, key_value_seq_lengths=lengths,
+                segment_ids=segment_ids)
+
+  separate = _one_segment_at_a_time(fast, is_causal, q_ids, kv_ids, lengths)
+  want, want_vjp = jax.vjp(separate, q, k, v)
+  ct = cotangent(want)
+  eager = packed(q, k, v, segment_ids, lengths)
+  got, got_vjp = jax.vjp(lambda q, k, v: jax.jit(packed)(q, k, v, segment_ids, lengths),
+                         q, k, v)
+  np.testing.assert_allclose(got, eager, rtol=1e-5, atol=1e-6, err_msg=err_msg)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=err_msg)
+  for g, w, name in zip(got_vjp(ct), want_vjp(ct), "qkv", strict=True):
+    assert np.all(np.isfinite(g)), f"{err_msg}: d{name} not finite"
+    np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5, err_msg=f"{err_msg}: d{name}")
+
+
+@segment_case_param
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_packed_call_equals_each_segment_run_alone(case, is_causal):
+  """Segments of length 1, a row that is one segment, padding keys after the last
+  segment, boundaries inside blocks: one call with ``segment_ids`` equals the segments
+  run one at a time, forward and gradient, jitted and eagerly."""
+  spec, impl = case
+  fast, _ = build(spec, impl)
+  if not _check_or_expect_error(spec, impl, fast, *make_qkv(PACKED), is_causal):
+    return
+  q, k, v = make_qkv(PACKED)
+  ids = jnp.asarray(PACKED_IDS)
+  _assert_packed_equals_separate(fast, is_causal, q, k, v, ids, PACKED_IDS, PACKED_IDS,
+                                 PACKED_LENGTHS, f"{case.id} causal={is_causal}")
+
+
+@segment_case_param
+def test_packed_cross_attention_takes_the_pair_of_ids(case):
+  """T != S: ``(query_segment_ids [B, T], kv_segment_ids [B, S])``; a query segment
+  absent from the keys gives zeros. (Non-causal: the causal alignment is the whole
+  call's, not each segment's.)"""
+  spec, impl = case
+  fast, _ = build(spec, impl)
+  shape = PACKED._replace(T=6)
+  q, k, v = make_qkv(shape)
+  q_ids = np.array([[0, 0, 2, 2, 2, 4], [5] * 6], np.int32)  # Segment 4 has no key.
+  pair = (jnp.asarray(q_ids), jnp.asarray(PACKED_IDS))
+  _assert_packed_equals_separate(fast, False, q, k, v, pair, q_ids, PACKED_IDS,
+                                 PACKED_LENGTHS, f"{case.id} pair")
+
+
+@segment_case_param
+def test_bad_segment_ids_raise_value_errors_naming_the_argument(case):
+  spec, impl = case
+  fast, _ = build(spec, impl)
+  q, k, v = make_qkv(PACKED)
+  ids = jnp.asarray(PACKED_IDS)
+
+  def raises(match, segment_ids, q=q, k=k, v=v):
+    with pytest.raises(ValueError, match=match):
+      fast(q, k, v, segment_ids=segment_ids)
+
+  raises(r"segment_ids must be integers.*float32", ids.astype(jnp.float32))
+  raises(r"segment_ids must have shape.*\(2, 11\); got \(2, 10\)", ids[:, :10])
+  raises(r"segment_ids must have shape.*got \(11,\)", ids[0])
+  raises(r"segment_ids must not decrease.*\(2, 11\)", ids[:, ::-1])
+  raises(r"T=6 differs from key length S=11.*pair.*\(2, 6\)", ids[:, :6], q=q[:, :6])
+  raises(r"T == S = 11, segment_ids must be one array.*pair", (ids, ids))
+  raises(r"query_segment_ids.*shape.*\(2, 6\); got \(2, 11\)", (ids, ids), q=q[:, :6])
+  raises(r"kv_segment_ids.*integers", (ids[:, :6], ids.astype(jnp.float32)), q=q[:, :6])
+  raises(r"pair.*3 items", (ids, ids, ids))
+  # Under jit the values are unknown: shapes and dtypes are still checked.
+  with pytest.raises(ValueError, match="segment_ids must be integers"):
+    jax.jit(lambda ids: fast(q, k, v, segment_ids=ids))(ids.astype(jnp.float32))
+
+
 # 6. Errors -------------------------------------------------------------------
 
 

@@ -3,6 +3,7 @@ fully masked rows, dispatch, and the flash path's O(T) structure."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -18,8 +19,12 @@ from linattn_jax._src import softmax as softmax_module
 
 
 def numpy_attention(q, k, v, *, scale, bias=None, mask=None, causal=False,
-                    q_len=None, kv_len=None):
-  """Loop-per-row float64 oracle, independent of the library's mask code."""
+                    q_len=None, kv_len=None, window=None, segments=None):
+  """Loop-per-row float64 oracle, independent of the library's mask code.
+
+  ``window``: ``(left, right)`` around the bottom-right aligned position;
+  ``segments``: ``(q_ids [B, T], kv_ids [B, S])``.
+  """
   q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
   B, T, N, H = q.shape
   _, S, K, D = v.shape
@@ -31,7 +36,9 @@ def numpy_attention(q, k, v, *, scale, bias=None, mask=None, causal=False,
                    if (not causal or s <= t + S - T)
                    and (kv_len is None or s < kv_len[b])
                    and (q_len is None or t < q_len[b])
-                   and (mask is None or mask[b, n, t, s])]
+                   and (mask is None or mask[b, n, t, s])
+                   and (window is None or -window[0] <= s - (t + S - T) <= window[1])
+                   and (segments is None or segments[0][b, t] == segments[1][b, s])]
         if not visible:
           continue
         logits = np.array([q[b, t, n] @ k[b, s, n // (N // K)] * scale
@@ -313,3 +320,113 @@ def test_under_strict_promotion_the_session_runs_with():
   q, k, v = make_qkv(SHAPE)
   lengths = jnp.array([3, 7], jnp.int32)
   la.softmax_attention(q, k, v, query_seq_lengths=lengths, key_value_seq_lengths=lengths)
+
+
+# Packed sequences (segment_ids) ---------------------------------------------------------
+# The shared suite checks that a packed call equals each segment run alone; here: the
+# segment mask combined with every other option, the pair form with causal T != S, and
+# flash's skipping of the key blocks of other segments.
+
+SEGMENT_PAIR = (np.array([[0, 0, 1, 1, 1], [0, 1, 2, 2, 3]], np.int32),
+                np.array([[0, 0, 0, 1, 1, 1, 1], [0, 1, 1, 2, 2, 2, 3]], np.int32))
+
+
+@pytest.mark.parametrize("implementation", IMPLS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_segment_ids_combine_with_every_mask_against_numpy_loops(implementation, causal):
+  q, k, v = make_qkv(SHAPE)  # T = 5, S = 7: the pair form.
+  bias, mask = _bias_mask(SHAPE)
+  q_len, kv_len = np.array([5, 4]), np.array([6, 7])
+  got = la.softmax_attention(
+      q, k, v, bias=bias, mask=mask, is_causal=causal, query_seq_lengths=jnp.asarray(q_len),
+      key_value_seq_lengths=jnp.asarray(kv_len), local_window_size=(3, 1),
+      implementation=implementation, segment_ids=tuple(map(jnp.asarray, SEGMENT_PAIR)))
+  want = numpy_attention(q, k, v, scale=1 / np.sqrt(SHAPE.H), bias=np.asarray(bias),
+                         mask=np.asarray(mask), causal=causal, q_len=q_len, kv_len=kv_len,
+                         window=(3, 1), segments=SEGMENT_PAIR)
+  np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("implementation", ["reference", "xla", "flash"])
+def test_causal_pair_of_segment_ids_with_t_not_s(implementation):
+  """Causal alignment stays the call's own (bottom-right), segments mask on top of it."""
+  q, k, v = make_qkv(SHAPE)
+  q_len, kv_len = np.array([5, 3]), np.array([7, 6])
+  got = la.softmax_attention(
+      q, k, v, is_causal=True, query_seq_lengths=jnp.asarray(q_len),
+      key_value_seq_lengths=jnp.asarray(kv_len), implementation=implementation,
+      segment_ids=tuple(map(jnp.asarray, SEGMENT_PAIR)))
+  want = numpy_attention(q, k, v, scale=1 / np.sqrt(SHAPE.H), causal=True, q_len=q_len,
+                         kv_len=kv_len, segments=SEGMENT_PAIR)
+  np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("block_q, block_k", [(3, 2), (4, 5), (2, 7)])
+def test_flash_segment_boundaries_inside_blocks(block_q, block_k):
+  """Boundaries at 2, 3, 6 and 9 fall inside blocks; forward and gradients equal the
+  reference's, causal and not, with padding keys after the last segment."""
+  shape = Shape(B=2, T=11, S=11, N=2, K=1, H=4, D=3)
+  q, k, v = make_qkv(shape)
+  ids = jnp.array([[0, 0, 1, 2, 2, 2, 3, 3, 3, 4, 4], [7] * 11])
+  lengths = jnp.array([9, 11])
+  ct = jnp.asarray(np.random.default_rng(2).standard_normal((2, 11, 2, 3)), jnp.float32)
+  for causal in (False, True):
+    def loss(fn, q, k, v, causal=causal, **blocks):
+      out = fn(q, k, v, is_causal=causal, key_value_seq_lengths=lengths, segment_ids=ids,
+               **blocks)
+      return jnp.sum(out * ct), out
+
+    (_, got), g_got = jax.value_and_grad(
+        functools.partial(loss, la.flash_attention, block_q=block_q, block_k=block_k),
+        argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    (_, want), g_want = jax.value_and_grad(
+        functools.partial(loss, la.softmax_attention_reference), argnums=(0, 1, 2),
+        has_aux=True)(q, k, v)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    assert np.all(np.asarray(got)[0, 9:] == 0)  # Its keys are all padding.
+    for a, b in zip(g_got, g_want, strict=True):
+      np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_flash_visits_only_the_key_blocks_of_a_query_blocks_segments():
+  """Segment ids do not decrease, so a query block's keys are one range of blocks:
+  forward (key blocks per query block) and backward (query blocks per key block)."""
+  from linattn_jax._src.flash import FlashConfig
+
+  cfg = FlashConfig(T=12, S=12, block_q=4, block_k=4, is_causal=False, scale=1.0)
+  ids = jnp.array([[0] * 5 + [1] * 3 + [2] * 4])  # Blocks: {0}, {0, 1}, {2}.
+  ranges = [tuple(int(x) for x in cfg.key_block_range(i, None, None, ids, ids))
+            for i in range(3)]
+  assert ranges == [(0, 2), (0, 2), (2, 3)]
+  ranges = [tuple(int(x) for x in cfg.query_block_range(j, None, None, ids, ids))
+            for j in range(3)]
+  assert ranges == [(0, 2), (0, 2), (2, 3)]
+  causal = dataclasses.replace(cfg, is_causal=True)
+  assert int(causal.key_block_range(0, None, None, ids, ids)[1]) == 1
+
+
+def test_unbatched_segment_ids():
+  shape = Shape(B=1, T=6, S=6, N=2, K=1, H=4, D=3)
+  q, k, v = (x[0] for x in make_qkv(shape))
+  ids = jnp.array([0, 0, 0, 1, 1, 2])
+  want = la.softmax_attention_reference(q[None], k[None], v[None], segment_ids=ids[None])[0]
+  for implementation in ("reference", "xla", "flash"):
+    for given in (ids, ids[None]):
+      got = la.softmax_attention(q, k, v, segment_ids=given, implementation=implementation)
+      np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+  got = la.flash_attention(q, k, v, segment_ids=ids, block_q=4, block_k=4)
+  np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+  with pytest.raises(ValueError, match=r"segment_ids must have shape \[T\] = \(6,\)"):
+    la.softmax_attention(q, k, v, segment_ids=jnp.stack([ids, ids]))
+
+
+def test_decreasing_segment_ids_are_caught_eagerly_only():
+  """The docstring's promise: the order is checked on concrete ids, not under jit."""
+  q, k, v = make_qkv(Shape(B=1, T=4, S=4, N=1, K=1, H=2, D=2))
+  ids = jnp.array([[1, 1, 0, 0]])
+  for fn in (la.softmax_attention, la.flash_attention, la.softmax_attention_reference):
+    with pytest.raises(ValueError, match="must not decrease"):
+      fn(q, k, v, segment_ids=ids)
+  out = jax.jit(lambda ids: la.softmax_attention(q, k, v, segment_ids=ids,
+                                                 implementation="xla"))(ids)
+  assert np.all(np.isfinite(np.asarray(out)))
