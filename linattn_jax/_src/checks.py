@@ -153,8 +153,9 @@ def check_segment_ids(
   """Validates packed-sequence ids; returns batched int32 ``(query_ids [B, T], kv_ids [B, S])``.
 
   ``segment_ids`` is None (nothing packed), one int array ``[B, T]`` that serves
-  queries and keys (only when T == S), or, when T != S, the pair
-  ``(query_segment_ids [B, T], kv_segment_ids [B, S])`` as a tuple. Unbatched calls
+  queries and keys (self-attention: only when T == S), or the pair
+  ``(query_segment_ids [B, T], kv_segment_ids [B, S])`` as a tuple (required when
+  T != S; with T == S it lets queries and keys carry different ids). Unbatched calls
   drop B (``[T]``; ``[1, T]`` is taken too, as for the lengths). Position t attends
   to key j only where ``query_ids[b, t] == kv_ids[b, j]``.
 
@@ -166,8 +167,8 @@ def check_segment_ids(
 
   Raises:
     ValueError: naming ``name`` and the shapes, for a float (or other non-integer)
-      array, a wrong shape, a single array where T != S, a pair where T == S (or a
-      tuple that is not a pair), and concrete ids that decrease.
+      array, a wrong shape, a single array where T != S, a tuple that is not a pair,
+      and concrete ids that decrease.
   """
   if segment_ids is None:
     return None
@@ -185,12 +186,6 @@ def check_segment_ids(
         f"{fn}: query length T={T} differs from key length S={S}, so {name} must be the "
         f"pair (query_segment_ids {lead}T], kv_segment_ids {lead}S]) = ({lead}{T}], "
         f"{lead}{S}]) as a tuple; got one array of shape {shape}."
-    )
-  if pair and T == S:
-    shapes = tuple(getattr(x, "shape", None) for x in segment_ids)
-    raise ValueError(
-        f"{fn}: with T == S = {T}, {name} must be one array {lead}T] = {lead}{T}] serving "
-        f"queries and keys; got a pair of shapes {shapes}."
     )
   items = (("query_segment_ids", segment_ids[0], T), ("kv_segment_ids", segment_ids[1], S)
            ) if pair else ((name, segment_ids, T),)

@@ -345,9 +345,9 @@ def flash_attention(
     block_k: key tile length (static).
     segment_ids: packed sequences, as in :func:`softmax_attention`: int ids,
       non-decreasing along the sequence; query t sees key j only if
-      ``q_ids[b, t] == kv_ids[b, j]``. One array ``[B, T]`` when T == S, else the pair
-      ``(query_segment_ids [B, T], kv_segment_ids [B, S])``. The tiles of a query
-      block's keys outside its segments are skipped, forward and backward (the keys of
+      ``q_ids[b, t] == kv_ids[b, j]``. One array ``[B, T]`` when T == S, or the pair
+      ``(query_segment_ids [B, T], kv_segment_ids [B, S])`` (required when T != S).
+      The tiles of a query block's keys outside its segments are skipped, forward and backward (the keys of
       its segments form one range, as the ids do not decrease). Shapes and dtype are
       checked at trace time; the order only on an eager call: under ``jax.jit``,
       decreasing ids are not caught and may drop keys.
@@ -359,7 +359,7 @@ def flash_attention(
     ValueError: on bad shapes, dtypes, lengths or block sizes (``block_q``, ``block_k``
       must be positive ints), a traced ``is_causal``, ``scale`` or block size
       (they are static), or malformed ``segment_ids`` (non-integer, wrong shape, one
-      array where T != S or a pair where T == S, or eagerly, decreasing ids).
+      array where T != S, or eagerly, decreasing ids).
 
   Examples:
     >>> q = k = v = jnp.ones((1, 1000, 2, 16))

@@ -109,12 +109,12 @@ def softmax_attention(
       sees key j only if ``q_ids[b, t] == kv_ids[b, j]``, in addition to every other
       mask, bias, window and length above, so that one call equals each segment run
       alone (causal alignment inside a segment is the ordinary one). With T == S one
-      array ``[B, T]`` (``[T]`` unbatched) serves queries and keys; with T != S pass the
-      pair ``(query_segment_ids [B, T], kv_segment_ids [B, S])`` as a tuple. Shapes and
-      the integer dtype are checked at trace time; that the ids do not decrease only on
-      an eager call (under ``jax.jit`` they are tracers and cannot be read; there,
-      decreasing ids are not caught and flash, which skips key blocks by the
-      segments' ranges, may drop keys of a repeated id).
+      array ``[B, T]`` (``[T]`` unbatched) serves queries and keys; with T != S (or for
+      other ids on the keys) pass the pair ``(query_segment_ids [B, T], kv_segment_ids
+      [B, S])`` as a tuple. Shapes and the integer dtype are checked at trace time;
+      that the ids do not decrease only on an eager call (under ``jax.jit`` they are
+      tracers and cannot be read; there, decreasing ids are not caught and flash,
+      which skips key blocks by the segments' ranges, may drop keys of a repeated id).
 
   Returns:
     ``[B, T, N, D]`` (or ``[T, N, D]``) in the input dtype; rows with no
@@ -126,8 +126,7 @@ def softmax_attention(
       masks or biases that do not broadcast, a malformed window or
       alignment, an unknown implementation, or an option the chosen
       implementation does not support; for ``segment_ids`` that are not integers, have
-      the wrong shape, are one array where T != S or a pair where T == S, or (eagerly)
-      decrease.
+      the wrong shape, are one array where T != S, or (eagerly) decrease.
 
   Examples:
     >>> q = jnp.ones((2, 16, 8, 64)); kv = jnp.ones((2, 16, 2, 64))

@@ -576,7 +576,8 @@ def test_bad_segment_ids_raise_value_errors_naming_the_argument(case):
   raises(r"segment_ids must have shape.*got \(11,\)", ids[0])
   raises(r"segment_ids must not decrease.*\(2, 11\)", ids[:, ::-1])
   raises(r"T=6 differs from key length S=11.*pair.*\(2, 6\)", ids[:, :6], q=q[:, :6])
-  raises(r"T == S = 11, segment_ids must be one array.*pair", (ids, ids))
+  np.testing.assert_array_equal(fast(q, k, v, segment_ids=(ids, ids)),  # The pair, T == S.
+                                fast(q, k, v, segment_ids=ids))
   raises(r"query_segment_ids.*shape.*\(2, 6\); got \(2, 11\)", (ids, ids), q=q[:, :6])
   raises(r"kv_segment_ids.*integers", (ids[:, :6], ids.astype(jnp.float32)), q=q[:, :6])
   raises(r"pair.*3 items", (ids, ids, ids))
