@@ -347,8 +347,8 @@ def flash_attention(
       non-decreasing along the sequence; query t sees key j only if
       ``q_ids[b, t] == kv_ids[b, j]``. One array ``[B, T]`` when T == S, or the pair
       ``(query_segment_ids [B, T], kv_segment_ids [B, S])`` (required when T != S).
-      The tiles of a query block's keys outside its segments are skipped, forward and backward (the keys of
-      its segments form one range, as the ids do not decrease). Shapes and dtype are
+      The tiles of a query block's keys outside its segments are skipped, forward and
+      backward (the keys of its segments form one range, as the ids do not decrease). Shapes and dtype are
       checked at trace time; the order only on an eager call: under ``jax.jit``,
       decreasing ids are not caught and may drop keys.
 
