@@ -348,9 +348,9 @@ def flash_attention(
       ``q_ids[b, t] == kv_ids[b, j]``. One array ``[B, T]`` when T == S, or the pair
       ``(query_segment_ids [B, T], kv_segment_ids [B, S])`` (required when T != S).
       The tiles of a query block's keys outside its segments are skipped, forward and
-      backward (the keys of its segments form one range, as the ids do not decrease). Shapes and dtype are
-      checked at trace time; the order only on an eager call: under ``jax.jit``,
-      decreasing ids are not caught and may drop keys.
+      backward (the keys of its segments form one range, as the ids do not decrease).
+      Shapes and dtype are checked at trace time; the order only on an eager call:
+      under ``jax.jit``, decreasing ids are not caught and may drop keys.
 
   Returns:
     ``[B, T, N, D]`` in the input dtype; rows with no visible key are zero.
