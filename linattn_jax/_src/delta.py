@@ -56,7 +56,7 @@ class DeltaSummary(NamedTuple):
 
   The span maps ``S`` to ``A S + B`` with ``A = Π_t exp(g_t) (I - β_t k_t k_tᵀ)``
   (the latest token on the left) and ``B`` its state from zero; summaries compose
-  by ``(A_l A_e, A_l B_e + B_l)`` (:func:`combine_gated`). Being affine in ``S``, the
+  by ``(A_l A_e, A_l B_e + B_l)`` (:func:`combine_delta`). Being affine in ``S``, the
   recurrence run from the state ``[B_e | A_e]`` ``[H, D + H]`` with values ``[v | 0]``
   leaves ``[A B_e + B | A A_e]``: that is how a summary continues over more keys.
 
@@ -179,6 +179,7 @@ class DeltaFamily(MatrixFamily):
   implementations: ClassVar[tuple[str, ...]] = DELTA_IMPLEMENTATIONS
   bodies: ClassVar[Mapping[str, recurrence.Body]] = _DELTA_BODIES
   summary_cls: ClassVar[type] = DeltaSummary
+  input_names: ClassVar[tuple[str, ...]] = ("beta", "log_decay")
   static_return_state: ClassVar[bool] = True
 
   def token_inputs(self, inputs, key):

@@ -290,6 +290,8 @@ class MatrixFamily(recurrence.Family):
   supports_noncausal: ClassVar[bool] = False
   bodies: ClassVar[Mapping[str, recurrence.Body]] = {}
   summary_cls: ClassVar[type] = tuple
+  # The per-token inputs its public function takes by name (an entry takes some of them).
+  input_names: ClassVar[tuple[str, ...]] = ()
 
   def default_implementation(self, is_causal):
     del is_causal
@@ -374,6 +376,7 @@ class GLAFamily(MatrixFamily):
   implementations: ClassVar[tuple[str, ...]] = GATED_IMPLEMENTATIONS
   bodies: ClassVar[Mapping[str, recurrence.Body]] = _GLA_BODIES
   summary_cls: ClassVar[type] = GatedSummary
+  input_names: ClassVar[tuple[str, ...]] = ("log_decay",)
 
   def token_inputs(self, inputs, key):
     g = inputs.get("log_decay")
@@ -737,8 +740,7 @@ def register_matrix(name: str, *, family: MatrixFamily, function: Callable[..., 
   """Registers a matrix-state recurrence: each entry point takes ``token_inputs`` by
   keyword (or computes its inputs as ``gates(key)``), decodes from a :class:`GatedState`,
   and summarises spans with ``summarize`` / ``identity`` / ``combine``."""
-  all_inputs = tuple(p for p in inspect.signature(function).parameters
-                     if p in ("log_decay", "beta", "a", "b"))
+  all_inputs = tuple(dict.fromkeys((*family.input_names, *(x.name for x in token_inputs))))
   entry = functools.partial(_entry, name=name, token_inputs=token_inputs, gates=gates,
                             all_inputs=all_inputs)
 

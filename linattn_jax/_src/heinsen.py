@@ -54,9 +54,6 @@ from linattn_jax._src import masks as masks_lib
 from linattn_jax._src.kernel import KernelFamily, combine_states, empty_carry, featurizing
 from linattn_jax._src.online_softmax import exponent_shift, logaddexp, logsumexp
 
-# C of the log-value form's chunks: its own log-space bodies, chunk by chunk, keep the
-# per-feature forms' former default.
-
 HeinsenImplementation = Literal["reference", "parallel", "scan", "associative_scan", "chunked"]
 IMPLEMENTATIONS: tuple[str, ...] = typing.get_args(HeinsenImplementation)
 # log_heinsen_attention's own (log-space) forms.
@@ -386,6 +383,7 @@ def log_heinsen_attention(
   fn = "log_heinsen_attention"
   checks.check_choice(
       implementation, name="implementation", choices=(None,) + LOG_IMPLEMENTATIONS, fn=fn)
+  recurrence.check_chunk_size(chunk_size, form="log_value", fn=fn)  # Every form checks it.
   if implementation == "reference":
     return _oracle(query, key, log_value, fn=fn, log_space=True, is_causal=is_causal,
                    key_value_seq_lengths=key_value_seq_lengths)

@@ -391,7 +391,8 @@ def attend(config: ReadConfig, carry: Carry, chunk: Chunk, *, is_causal: bool,
            implementation: str, chunk_size: int,
            prepare: Callable[[Chunk], Chunk] | None = None) -> tuple[jax.Array, Carry]:
   """Output ``[B, K, G, T, D]`` and the final state, from a featurised chunk, or from
-  :func:`inputs` and their ``prepare`` (:func:`featurizing`), applied per chunk.
+  ``recurrence.layout``'s chunk and its ``prepare`` (:func:`featurizing`), applied per
+  chunk.
 
   ``implementation``: ``"reference"`` (the masked ``[T, S]`` weights at
   once), ``"parallel"`` (non-causal: one summary), or a causal body of

@@ -346,8 +346,8 @@ class Family:
   static_return_state: bool = False
 
   def token_inputs(self, inputs: Mapping[str, Any], key: Any) -> tuple[TokenInput, ...]:
-    """The per-token inputs of a call with these ``inputs`` (by name; None for one left out)
-    and ``key``; each is checked against its declaration."""
+    """The per-token inputs of a call with these ``inputs`` (by name; one left out, or
+    given as None, is absent) and ``key``; each is checked against its declaration."""
     del inputs, key
     return ()
 
@@ -426,7 +426,9 @@ def recurrent_attention(
   missing = [f"{x.name} {x.layout}" for x in declared if x.name not in inputs]
   if missing:
     raise ValueError(f"{fn}: missing the per-token input(s) {', '.join(missing)}.")
-  inputs = {x.name: x.check_bounds(inputs[x.name], fn=fn) for x in declared}  # Shapes: below.
+  if declared:  # The arrays first, so that their errors come before the inputs'.
+    checks.prepare_qkv(query, key, value, fn=fn)
+    inputs = {x.name: x.check(inputs[x.name], jnp.shape(key), fn=fn) for x in declared}
   chunk_size = check_chunk_size(chunk_size, form=family.chunk_form(declared), fn=fn)
   if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or eps < 0:
     raise ValueError(f"{fn}: eps must be a non-negative float; got {eps!r}.")

@@ -21,7 +21,6 @@ from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from linattn_jax._src import checks
 
@@ -272,24 +271,36 @@ class TokenInput:
     """``x`` if it is a float array of :meth:`shape` within the role's bounds; a
     ValueError naming the input, the shapes or the bounds otherwise.
 
-    The bounds are checked where ``x`` is concrete (an eager call); a traced value
-    (under ``jax.jit``) cannot be read, and is used as it is.
+    The shape and dtype are checked first, then the bounds, as :meth:`check_bounds` can.
     """
     want = self.shape(key_shape)
-    if jnp.shape(x) != want or not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+    try:
+      shape, dtype = jnp.shape(x), jnp.result_type(x)
+    except (TypeError, ValueError):  # Not an array at all.
+      shape, dtype = None, None
+    if shape != want or dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+      got = type(x).__name__ if dtype is None else f"{dtype} {shape}"
       raise ValueError(f"{fn}: {self.name} must be a float array {self.layout} = {want} for "
-                       f"key {tuple(key_shape)}; got {jnp.result_type(x)} {jnp.shape(x)}.")
+                       f"key {tuple(key_shape)}; got {got}.")
     return self.check_bounds(x, fn=fn)
 
   def check_bounds(self, x: Any, *, fn: str) -> Any:
-    """``x`` if its entries lie within the role's bounds (checked where ``x`` is concrete);
-    a ValueError naming the input and the range of its values otherwise."""
-    if not isinstance(x, jax.core.Tracer):
-      low, high = self.bounds
-      values = np.asarray(x, np.float64)
-      if np.any(values < low) or np.any(values > high):
-        raise ValueError(f"{fn}: {self.name} ({self.role.value}) must lie in [{low}, {high}]; "
-                         f"got values from {np.nanmin(values)} to {np.nanmax(values)}.")
+    """``x`` if its entries lie within the role's bounds; a ValueError naming the input and
+    the range of its values otherwise.
+
+    Checked where ``x`` is concrete and on this host (an eager call): its minimum and
+    maximum are computed where it lives and read back, two scalars. A traced value
+    (under ``jax.jit``) or an array spread over other hosts cannot be read, and is used
+    as it is.
+    """
+    x = jnp.asarray(x)  # Under a trace, a constant becomes a tracer too.
+    if isinstance(x, jax.core.Tracer) or not x.is_fully_addressable:
+      return x
+    low, high = self.bounds
+    smallest, largest = float(jnp.min(x)), float(jnp.max(x))
+    if smallest < low or largest > high:
+      raise ValueError(f"{fn}: {self.name} ({self.role.value}) must lie in [{low}, {high}]; "
+                       f"got values from {smallest} to {largest}.")
     return x
 
   @property

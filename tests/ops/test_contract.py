@@ -1,7 +1,8 @@
 """The contract every registered variant keeps: each documented keyword can be used.
 
 For every registered variant, every keyword of its function (read from its
-signature, so a new keyword joins by being declared) is called with a value
+signature, so a new keyword joins by being declared; positional arguments with
+a default, softmax's ``bias`` and ``mask``, count too) is called with a value
 other than its default, under ``jax.jit`` and eagerly; both must agree, and
 where the keyword changes the math the result is judged against the oracle
 called with the same keyword. A keyword this file has no value for fails the
@@ -12,6 +13,8 @@ Keywords the shared suite already calls that way are not called again here
 ``implementation`` it lists, and the options its ``SUITE_SETTINGS`` set to
 other values than the defaults, jitted and eagerly in its jit/eager test);
 :func:`test_the_shared_suite_calls_the_keywords_left_to_it` checks that it does.
+Per-token inputs (gates, betas) have no default: every call of the suite passes
+them, derived from the key.
 
 Also: what a call without ``is_causal`` does is one rule for every entry
 (non-causal; a causal-only variant raises a ValueError saying so).
@@ -31,6 +34,7 @@ from _helpers import (
   TINY,
   SuiteSettings,
   assert_matches_oracle,
+  build,
   deriving_inputs,
   kv_lengths,
   make_qkv,
@@ -94,7 +98,6 @@ VALUES = {
     "causal_alignment": lambda spec: "top_left",
     "query_seq_lengths": lambda spec: jnp.array([3], jnp.int32),
     "segment_ids": lambda spec: jnp.array([[0, 0, 1, 1, 1]], jnp.int32),  # TINY: T = S = 5.
-    "is_causal": lambda spec: True,
     "key_value_seq_lengths": lambda spec: kv_lengths(TINY),
 }
 # Keywords judged by their own rule below, and the array options of a ParamSpec (given
@@ -102,9 +105,19 @@ VALUES = {
 SPECIAL = ("initial_state", "return_state", "return_residual")
 
 
+# Arguments passed by position too that have defaults (softmax's, after jax.nn's signature):
+# called by name at call time, and judged by the oracle called alike.
+CALL_ARRAYS = {
+    "bias": lambda spec: 0.5 * jnp.tril(jnp.ones((TINY.T, TINY.S))),
+    "mask": lambda spec: jnp.ones((TINY.T, TINY.S), bool).at[:, 0].set(False),
+}
+
+
 def _keywords(spec):
+  """Every argument but the three arrays: keyword-only, or positional with a default."""
   params = inspect.signature(spec.function).parameters
-  return [p for p in params.values() if p.kind is inspect.Parameter.KEYWORD_ONLY]
+  return [p for p in params.values() if p.kind is inspect.Parameter.KEYWORD_ONLY or (
+      p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD and p.default is not p.empty)]
 
 
 def _same(a, b) -> bool:
@@ -139,10 +152,6 @@ def _cases():
   return cases
 
 
-def _causal(spec) -> bool:
-  return spec.supports_causal
-
-
 def _run_both(fn, q, k, v, call, arrays):
   """``fn(q, k, v, **call, **arrays)`` eagerly and under jit (``arrays`` as traced
   arguments); the two must agree. Returns the eager result."""
@@ -164,6 +173,12 @@ def test_every_keyword_is_usable_with_a_non_default_value(spec, keyword):
     options = {n: v for n, v in options.items() if n not in ("rng", "num_features")}
   elif keyword in SPECIAL:
     return _judge_special(spec, keyword, options, q, k, v)
+  elif keyword in CALL_ARRAYS:
+    value = CALL_ARRAYS[keyword](spec)
+    got = _run_both(spec.build(**options), q, k, v, call, {keyword: value})
+    want = spec.build_reference(**spec.what_options(options))(q, k, v, **call, **{keyword: value})
+    chex.assert_trees_all_close(got, want, atol=2e-5, rtol=2e-5)
+    return
   elif keyword not in VALUES:
     if inspect.signature(spec.function).parameters[keyword].default is inspect.Parameter.empty:
       pytest.fail(f"{spec.name}: required keyword `{keyword}` has no value here; add one.")
@@ -171,14 +186,7 @@ def test_every_keyword_is_usable_with_a_non_default_value(spec, keyword):
   else:
     value = VALUES[keyword](spec)
     default = inspect.signature(spec.function).parameters[keyword].default
-    if keyword == "is_causal":
-      value = not default
-      if not spec.supports(None, value):
-        with pytest.raises(ValueError, match="is_causal"):
-          spec.build(**options)(q, k, v, is_causal=value)
-        return
-      call["is_causal"] = value
-    elif keyword in ("key_value_seq_lengths", "query_seq_lengths", "segment_ids"):
+    if keyword in ("key_value_seq_lengths", "query_seq_lengths", "segment_ids"):
       arrays[keyword] = value  # Traced under jit, as a caller's per-batch arrays are.
     else:
       assert not _same(value, default), f"{keyword}: {value!r} is the default"
@@ -234,13 +242,13 @@ def test_the_shared_suite_calls_the_keywords_left_to_it(spec):
   params = [param.values for param in _parity_params()]
   judged = {(case.spec.name, case.implementation, is_causal)
             for cases, is_causal, _, _ in params for case in cases}
+  bound = build(spec, None if None in spec.implementations else spec.implementations[-1])[0]
   for name in left:
     if name == "implementation":  # Each but the oracle's own, judged against it.
       listed = {i for i in spec.implementations if i is not None}
       assert {i for n, i, _ in judged if n == spec.name} >= listed - {"reference"}
-    elif name not in CALL_KEYWORDS:
-      assert not _same(suite_options(spec)[name], inspect.signature(spec.function)
-                       .parameters[name].default)
+    elif name not in CALL_KEYWORDS:  # The suite's builder binds the option it sets.
+      assert _same(bound.keywords[name], suite_options(spec)[name]), name
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda spec: spec.name)

@@ -177,6 +177,22 @@ def test_splitting_a_sequence_and_passing_the_state_equals_one_pass():
                                 (whole, whole_state.kv), atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("delta", [False, True], ids=["gla", "delta"])
+def test_scale_multiplies_the_queries(delta):
+  """``scale`` judged apart from the oracle (which applies it the same way): the output is
+  linear in the queries, so scale s gives s times the output at scale 1, and the default
+  is 1 / sqrt(H). The state does not depend on it."""
+  q, k, v, g, beta, _ = inputs()
+  H = q.shape[-1]
+  for implementation in ("reference", "chunked"):
+    out, state = call(delta, implementation, q, k, v, g, beta, scale=0.5)
+    one, one_state = call(delta, implementation, q, k, v, g, beta, scale=1.0)
+    default, _ = call(delta, implementation, q, k, v, g, beta)
+    np.testing.assert_allclose(out, 0.5 * one, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(default, one / np.sqrt(H), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(state.kv, one_state.kv)
+
+
 def test_bad_inputs_raise_value_errors_naming_them():
   q, k, v, g, beta, _ = inputs()
   with pytest.raises(ValueError, match="is_causal=False.*recurrence"):

@@ -85,6 +85,7 @@ class ToyFamily(gated.MatrixFamily):
   implementations: ClassVar[tuple[str, ...]] = ("reference", "scan", "chunked")
   bodies: ClassVar[Mapping[str, Any]] = {"scan": _scan, "chunked": _chunk}
   summary_cls: ClassVar[type] = la.GatedSummary
+  input_names: ClassVar[tuple[str, ...]] = tuple(x.name for x in INPUTS)
 
   def token_inputs(self, inputs, key):
     return INPUTS
