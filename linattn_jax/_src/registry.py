@@ -293,11 +293,14 @@ class TokenInput:
     (under ``jax.jit``) or an array spread over other hosts cannot be read, and is used
     as it is.
     """
-    x = jnp.asarray(x)  # Under a trace, a constant becomes a tracer too.
-    if isinstance(x, jax.core.Tracer) or not x.is_fully_addressable:
+    if isinstance(x, jax.core.Tracer):
       return x
+    with jax.ensure_compile_time_eval():  # A constant inside a trace is read too.
+      values = jnp.asarray(x)
+      if isinstance(values, jax.core.Tracer) or not values.is_fully_addressable:
+        return x
+      smallest, largest = float(jnp.min(values)), float(jnp.max(values))
     low, high = self.bounds
-    smallest, largest = float(jnp.min(x)), float(jnp.max(x))
     if smallest < low or largest > high:
       raise ValueError(f"{fn}: {self.name} ({self.role.value}) must lie in [{low}, {high}]; "
                        f"got values from {smallest} to {largest}.")
