@@ -33,7 +33,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import math
 import typing
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, Literal, NamedTuple
@@ -316,7 +315,7 @@ class MatrixFamily(recurrence.Family):
   def start(self, chunk, state, params, inputs, p, options, *, fn):
     del params
     d = p.dims
-    scale = options.scale if options.scale is not None else 1.0 / math.sqrt(d.H)
+    scale = checks.resolve_scale(options.scale, d.H)
     chunk = chunk._replace(fq=chunk.fq * scale, lk=None, gates=self.gates(inputs, chunk))
     if state is None:
       return recurrence.Start(chunk, None, jnp.zeros_like(chunk.v, shape=(d.B, d.K, d.H, d.D)))
