@@ -83,7 +83,8 @@ def bring_to(layer: nn.MultiHeadAttention, position: int, steps: int, batch: int
     cache = layer.cache.get_value()
     keys = jax.random.normal(jax.random.key(1), cache.key.shape, cache.key.dtype)
     values = jax.random.normal(jax.random.key(2), cache.value.shape, cache.value.dtype)
-    layer.cache.set_value(nn.KVCache(keys, values, jnp.asarray(position, jnp.int32)))
+    layer.cache.set_value(cache._replace(key=keys, value=values,
+                                         index=jnp.asarray(position, jnp.int32)))
     return
   prompt = jax.random.normal(jax.random.key(3), (batch, position, features))
   nnx.jit(lambda m, x: m(x, is_causal=True, decode=True))(layer, prompt)

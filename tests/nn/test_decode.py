@@ -128,8 +128,9 @@ def test_sparse_decode_past_the_dense_pattern_cap():
     layer.init_cache((1, capacity, 4))
     # The cache after decoding x[:, :P]: its keys and values, head-major [B, K, C, H].
     head_major = lambda y: jnp.pad(y.swapaxes(1, 2), ((0, 0), (0, 0), (0, capacity - P), (0, 0)))  # noqa: E731
-    layer.cache.set_value(nn.KVCache(head_major(layer.key(x[:, :P])),
-                                     head_major(layer.value(x[:, :P])), jnp.asarray(P, jnp.int32)))
+    layer.cache.set_value(layer.cache.get_value()._replace(
+        key=head_major(layer.key(x[:, :P])), value=head_major(layer.value(x[:, :P])),
+        index=jnp.asarray(P, jnp.int32)))
     step = nnx.jit(lambda m, x: m(x, decode=True))
     bounds = P + np.cumsum((0,) + steps)
     pieces = zip(bounds[:-1], bounds[1:], strict=True)

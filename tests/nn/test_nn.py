@@ -170,11 +170,14 @@ def test_cache_kinds_and_sizes():
   H = IN // N
   assert nn.cache_kind("linear_elu") == "recurrent"
   assert nn.cache_kind("local") == "window" and nn.cache_kind("softmax") == "kv"
-  # elu+1 keeps M = H: kv [B, K, H, H] and k_sum [B, K, H] in float32, plus the index.
-  assert nbytes("linear_elu", 8) == nbytes("linear_elu", 4096) == 4 * (B * K * H * (H + 1) + 1)
-  assert nbytes("softmax", 4096) == 2 * 4 * B * 4096 * K * H + 4
+  # elu+1 keeps M = H: kv [B, K, H, H] and k_sum [B, K, H] in float32, plus the index and
+  # the last position's segment id [B].
+  assert nbytes("linear_elu", 8) == nbytes("linear_elu", 4096) == 4 * (
+      B * K * H * (H + 1) + 1 + B)
+  # Keys and values, the index, and a segment id per position [B, C].
+  assert nbytes("softmax", 4096) == 2 * 4 * B * 4096 * K * H + 4 + 4 * B * 4096
   left = _options("local")["window_size"][0]
-  assert nbytes("local", 4096) == 2 * 4 * B * (left + 1) * K * H + 4 + 4
+  assert nbytes("local", 4096) == 2 * 4 * B * (left + 1) * K * H + 4 + 4 + 4 * B
 
 
 def test_same_parameters_and_outputs_as_flax_multi_head_attention():

@@ -30,12 +30,12 @@ from flax.typing import DotGeneralT, Dtype, Initializer, PrecisionLike, PromoteD
 
 from linattn_jax._src import checks
 from linattn_jax._src.nn import cache as cache_lib
-from linattn_jax._src.nn import weights
+from linattn_jax._src.nn import packing, weights
 from linattn_jax._src.nn.cache import KVCache
 from linattn_jax._src.nn.flax_compat import call_attention_fn, flat, flat_mask, flax_cache_view
 from linattn_jax._src.nn.gates import GateProjections, l2_normalize
 from linattn_jax._src.parallel import ContextParallel
-from linattn_jax._src.registry import AttentionSpec, accepted, get_spec
+from linattn_jax._src.registry import AttentionSpec, CacheKind, accepted, get_spec
 
 default_kernel_init = initializers.lecun_normal()
 default_bias_init = initializers.zeros_init()
@@ -335,6 +335,7 @@ class MultiHeadAttention(nnx.Module):
       decode: bool | None = None,
       is_causal: bool | None = None,
       key_value_seq_lengths: jax.Array | None = None,
+      segment_ids: jax.Array | tuple[jax.Array, jax.Array] | None = None,
       out_sharding: Any = None,
       qkv_sharding: Any = None,
   ) -> jax.Array:
@@ -352,6 +353,20 @@ class MultiHeadAttention(nnx.Module):
     (the weights ``[..., N, T, S]`` into ``nnx.Intermediate`` as
     ``attention_weights``), ``out_sharding`` and ``qkv_sharding`` are Flax's.
 
+    ``segment_ids`` (packed sequences, not in Flax): int ids ``[..., T]``,
+    non-decreasing along the sequence, one per document laid end to end in a
+    row; query t sees key j only where their ids are equal, together with
+    ``is_causal``, the lengths and ``mask``, so one call equals each document run
+    alone. Cross-attention with ids on both sides takes the pair
+    ``(query_segment_ids [..., T], kv_segment_ids [..., S])``. A gated variant's
+    gates reset at each boundary inside its function. The variant's function must
+    take ``segment_ids``. Decoding takes the ids of the call's positions,
+    ``[..., T]`` for a prompt and ``[..., 1]`` for a step (omitted: they continue
+    the last decoded position's document): a position whose id differs from the
+    one before it starts a new document, which then decodes as from a fresh cache
+    (the KV cache masks the keys of other ids; a recurrent state restarts from the
+    empty state).
+
     Returns:
       ``[..., T, out_features]``.
 
@@ -361,7 +376,12 @@ class MultiHeadAttention(nnx.Module):
         ``inputs_k``, a mask, dropout or ``sow_weights`` the variant cannot
         honour, dropout without ``rngs``, or a decode call without a cache,
         with cross-attention inputs, lengths, ``is_causal=False`` on several
-        positions, or inputs that do not match the cache. A KV cache's
+        positions, or inputs that do not match the cache; for ``segment_ids`` that
+        are not integers or not ``[..., T]`` (the pair ``[..., T]``, ``[..., S]``
+        for cross-attention), or that the variant cannot honour: a function without
+        ``segment_ids``, ``attention_fn``, ``context_parallel``, a sparse pattern's
+        weights (a mask, dropout or ``sow_weights``) or its decoding, a kernel
+        variant's sown weights. A KV cache's
         capacity is checked when the program runs: going past it raises a
         runtime error that names it.
     """
@@ -376,7 +396,12 @@ class MultiHeadAttention(nnx.Module):
     q, k, gates = _gated(self, q, k, inputs_k, batch)
     decode = bool(self.decode) if decode is None else decode
     dropout_rng = _dropout_rng(self, deterministic, rngs)
+    segments = packing.flatten(segment_ids, batch=batch, q_len=q.shape[-3], kv_len=k.shape[-3],
+                               decode=decode)
     if self.attention_fn is not None:
+      if segments is not None:
+        raise ValueError("MultiHeadAttention: segment_ids reach registered attentions only; "
+                         "with attention_fn pass a mask.")
       out = call_attention_fn(self, q, k, v, mask=mask, is_causal=is_causal, decode=decode,
                               dropout_rng=dropout_rng, sow_weights=sow_weights,
                               lengths=key_value_seq_lengths, batch=batch)
@@ -385,13 +410,13 @@ class MultiHeadAttention(nnx.Module):
       _check_decode_call(q, self_attention=self_attention, lengths=key_value_seq_lengths,
                          is_causal=is_causal, forms_weights=dropout_rng is not None or sow_weights)
       out = _decode(self, *(flat(x, batch) for x in (q, k, v)), mask=flat_mask(mask, batch),
-                    gates=gates)
+                    gates=gates, segment_ids=segments)
     else:
       lengths = key_value_seq_lengths
       out = _attend(self, *(flat(x, batch) for x in (q, k, v)), mask=flat_mask(mask, batch),
                     is_causal=bool(is_causal), dropout_rng=dropout_rng,
                     lengths=None if lengths is None else jnp.reshape(jnp.asarray(lengths), (-1,)),
-                    sow_as=batch if sow_weights else None, gates=gates)
+                    sow_as=batch if sow_weights else None, gates=gates, segment_ids=segments)
     return self.out(out.reshape(batch + out.shape[1:]), out_sharding=out_sharding)
 
   # -- decoding -----------------------------------------------------------------
@@ -491,20 +516,32 @@ def _dropout_rng(layer: MultiHeadAttention, deterministic: bool | None,
 def _attend(layer: MultiHeadAttention, q: jax.Array, k: jax.Array, v: jax.Array, *,
             mask: jax.Array | None, is_causal: bool, dropout_rng: jax.Array | None,
             lengths: jax.Array | None, sow_as: tuple[int, ...] | None,
-            gates: Mapping[str, jax.Array]) -> jax.Array:
+            gates: Mapping[str, jax.Array], segment_ids: Any = None) -> jax.Array:
   """One call on ``[B, T, N, H]`` arrays: the variant, or the weights when needed; ``gates``
-  (a gated variant's ``[B, S, K(, H)]`` inputs) go to the function by name."""
+  (a gated variant's ``[B, S, K(, H)]`` inputs) go to the function by name, and so do
+  ``segment_ids`` (``[B, T]`` or the pair ``([B, T], [B, S])``) when given."""
   spec, options, fn = layer._spec, layer._options(), "MultiHeadAttention"
   general = mask is not None or dropout_rng is not None or sow_as is not None
+  packed = {} if segment_ids is None else {"segment_ids": segment_ids}
+  if packed:
+    packing.require(spec)
+    if layer.context_parallel is not None:
+      raise ValueError(f"{fn}: context_parallel takes no segment_ids (it splits the rows "
+                       "along T, not by document).")
   if general and layer.context_parallel is not None:
     raise ValueError(f"{fn}: context_parallel takes no mask, dropout or sow_weights.")
   sow = None if sow_as is None else lambda w: layer.sow(  # [B, N, T, S] -> [*batch, N, T, S]
       nnx.Intermediate, "attention_weights", w.astype(q.dtype).reshape(sow_as + w.shape[1:]))
   if spec.forms_weights and general:
+    if packed and spec.dense_mask is not None:
+      raise ValueError(f"{fn}: attention={layer.attention!r} forms its weights from its "
+                       "pattern over the row's positions; it takes segment_ids without a "
+                       "mask, dropout or sow_weights.")
     dropout = None if dropout_rng is None else weights.Dropout(
         dropout_rng, layer.dropout_rate, layer.broadcast_dropout)
     return weights.softmax(spec, q, k, v, options=layer.attention_options, mask=mask,
-                           is_causal=is_causal, lengths=lengths, dropout=dropout, sow=sow)
+                           is_causal=is_causal, lengths=lengths, dropout=dropout, sow=sow,
+                           segment_ids=segment_ids)
   if mask is not None:
     raise ValueError(f"{fn}: attention={layer.attention!r} cannot honour a general `mask`; "
                      "pass causal and padding masks as is_causal and key_value_seq_lengths.")
@@ -512,12 +549,16 @@ def _attend(layer: MultiHeadAttention, q: jax.Array, k: jax.Array, v: jax.Array,
     if spec.weights is None:
       raise ValueError(f"{fn}: sow_weights: attention={layer.attention!r} forms no "
                        "attention weights to sow.")
-    sow(weights.implied(spec, q, k, options=options, is_causal=is_causal, lengths=lengths))
+    if packed and not packing.takes_segment_ids(spec.weights):
+      raise ValueError(f"{fn}: sow_weights: the weights attention={layer.attention!r} "
+                       "implies take no segment_ids.")
+    sow(weights.implied(spec, q, k, options=options, is_causal=is_causal, lengths=lengths,
+                        **packed))
   if layer.context_parallel is not None:
     return layer.context_parallel.attend(layer.attention, q, k, v, is_causal=is_causal,
                                          key_value_seq_lengths=lengths, **options, **gates)
   return spec.function(q, k, v, is_causal=is_causal, key_value_seq_lengths=lengths,
-                       **options, **gates)
+                       **packed, **options, **gates)
 
 
 def _gated(layer: MultiHeadAttention, q: jax.Array, k: jax.Array, inputs_k: jax.Array,
@@ -551,19 +592,28 @@ def _check_decode_call(q: jax.Array, *, self_attention: bool, lengths: Any,
 
 
 def _decode(layer: MultiHeadAttention, q: jax.Array, k: jax.Array, v: jax.Array, *,
-            mask: jax.Array | None, gates: Mapping[str, jax.Array]) -> jax.Array:
-  """The next T positions ``[B, T, N|K, H]`` through the layer's cache, which advances."""
+            mask: jax.Array | None, gates: Mapping[str, jax.Array],
+            segment_ids: jax.Array | None = None) -> jax.Array:
+  """The next T positions ``[B, T, N|K, H]`` through the layer's cache, which advances;
+  ``segment_ids [B, T]``: their documents (None: the last decoded position's)."""
+  spec = layer._spec
   cache = cache_lib.current(layer.cache)
   cache_lib.check_fits(cache, k, layer.cache_batch_shape)
+  if segment_ids is not None:
+    packing.require(spec, " while decoding")
+    if spec.dense_mask is not None or spec.cache_kind is CacheKind.WINDOW:
+      raise ValueError(f"MultiHeadAttention: decoding attention={layer.attention!r} cannot "
+                       "honour segment_ids: its pattern lies over the cache's positions, not "
+                       "a document's; decode each document from a fresh cache (init_cache).")
   if isinstance(cache, KVCache):
-    cache, out = cache_lib.kv_decode(layer._spec, cache, q, k, v,
-                                     options=layer.attention_options, mask=mask)
+    cache, out = cache_lib.kv_decode(spec, cache, q, k, v, options=layer.attention_options,
+                                     mask=mask, segment_ids=segment_ids)
   else:
     if mask is not None:
       raise ValueError(f"MultiHeadAttention: attention={layer.attention!r} decodes from a "
                        "state and cannot honour a `mask`.")
-    cache, out = cache_lib.state_decode(layer._spec, cache, q, k, v, options=layer._options(),
-                                        gates=gates)
+    cache, out = cache_lib.state_decode(spec, cache, q, k, v, options=layer._options(),
+                                        gates=gates, segment_ids=segment_ids)
   layer.cache.set_value(cache)
   return out
 

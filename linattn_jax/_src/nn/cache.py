@@ -13,6 +13,14 @@ What a cache holds follows the variant's ``cache_kind``:
 
 A decode call takes a chunk of any length (a prompt) or one token; a prefill
 followed by single steps equals one causal call on the whole sequence.
+
+Packed sequences: every cache also holds segment ids, the ids of the cached
+positions (``[B, C]``, a :class:`KVCache`) or of the last position decoded
+(``[B]``, a :class:`StateCache`). A decode call's positions carry their own ids
+(or, without them, continue the last position's); a KV cache reads only the
+keys of a query's own id, and a recurrent state restarts from the empty state
+where a position's id differs from the one before it, so a document decoded
+after another equals it decoded from a fresh cache.
 Letters: B batch, T query length, N query heads, K key/value heads, H head
 dim (keys and values), C a KV cache's capacity.
 """
@@ -47,6 +55,8 @@ class KVCache(NamedTuple):
     key: ``[B, K, C, H]`` in the cache dtype (head-major: a step reads it in place).
     value: ``[B, K, C, H]`` (the layer's values have the head dim H too).
     index: ``[]`` int32: positions written so far.
+    segment_ids: ``[B, C]`` int32: the segment id of each written position (packed
+      sequences: a query reads the keys of its own id only); 0 before any is given.
 
   Examples:
     >>> layer = nn.MultiHeadAttention(4, 32, num_kv_heads=2, rngs=nnx.Rngs(0))  # softmax
@@ -62,6 +72,7 @@ class KVCache(NamedTuple):
   key: jax.Array  # [B, K, C, H] in the cache dtype (head-major: a step reads it in place).
   value: jax.Array  # [B, K, C, H]
   index: jax.Array  # [] int32: positions written so far.
+  segment_ids: jax.Array  # [B, C] int32: each written position's segment id.
 
 
 class StateCache(NamedTuple):
@@ -76,6 +87,8 @@ class StateCache(NamedTuple):
       ``kv [B, K, M, H]`` and ``k_sum [B, K, M]``, or a ``LocalState`` ring
       buffer ``[B, W, K, H]``.
     index: ``[]`` int32: positions decoded so far.
+    segment_id: ``[B]`` int32: the segment id of the last position decoded (packed
+      sequences: a position with another id starts from the empty state); 0 at first.
 
   Examples:
     >>> layer = nn.MultiHeadAttention(4, 32, num_kv_heads=2, attention="linear_elu",
@@ -88,6 +101,7 @@ class StateCache(NamedTuple):
 
   state: Any  # The variant's state NamedTuple, e.g. LinearState [B, K, M, H] / [B, K, M].
   index: jax.Array  # [] int32: positions decoded so far.
+  segment_id: jax.Array  # [B] int32: the last decoded position's segment id.
 
 
 def cache_kind(attention: str) -> CacheKind:
@@ -123,10 +137,31 @@ def empty(spec: AttentionSpec | None, *, batch: int, capacity: int, num_heads: i
   B, C, N, K, H = batch, capacity, num_heads, num_kv_heads, head_dim
   zero = jnp.zeros((), jnp.int32)
   if spec is None or spec.cache_kind is CacheKind.KV:
-    return KVCache(jnp.zeros((B, K, C, H), dtype), jnp.zeros((B, K, C, H), dtype), zero)
-  streaming = spec.streaming
+    return KVCache(jnp.zeros((B, K, C, H), dtype), jnp.zeros((B, K, C, H), dtype), zero,
+                   jnp.zeros((B, C), jnp.int32))
   q, kv = jnp.zeros((B, 1, N, H), dtype), jnp.zeros((B, 1, K, H), dtype)
-  return StateCache(streaming.init(q, kv, kv, **accepted(streaming.init, options)), zero)
+  return StateCache(_empty_state(spec, q, kv, options), zero, jnp.zeros((B,), jnp.int32))
+
+
+def _empty_state(spec: AttentionSpec, q: jax.Array, kv: jax.Array,
+                 options: Mapping[str, Any]) -> Any:
+  """The variant's initial state for queries like ``q [B, T, N, H]`` and keys like ``kv``."""
+  init = spec.streaming.init
+  return init(q, kv, kv, **accepted(init, options))
+
+
+def segment_ids_of(cache: KVCache | StateCache, segment_ids: jax.Array | None,
+                   T: int) -> jax.Array:
+  """The ids ``[B, T]`` of the next T positions: ``segment_ids``, or the last decoded
+  position's id for each (they continue its segment)."""
+  if segment_ids is not None:
+    return segment_ids
+  if isinstance(cache, StateCache):
+    last = cache.segment_id
+  else:  # The id at index - 1 (any at index 0: no key is cached to compare with).
+    last = lax.dynamic_index_in_dim(cache.segment_ids, jnp.maximum(cache.index - 1, 0),
+                                    axis=1, keepdims=False)
+  return jnp.broadcast_to(last[:, None], (last.shape[0], T))
 
 
 def current(variable: Any) -> KVCache | StateCache:
@@ -156,22 +191,26 @@ def check_fits(cache: KVCache | StateCache, k: jax.Array, batch: tuple[int, ...]
 
 
 def write(cache: KVCache, k: jax.Array, v: jax.Array, *,
-          at: jax.Array | None = None) -> KVCache:
+          at: jax.Array | None = None, segment_ids: jax.Array | None = None) -> KVCache:
   """``cache`` with keys ``k`` and values ``v`` ``[B, T, K, H]`` written at positions
-  ``at .. at + T - 1`` (default ``cache.index``), and its index advanced by T.
+  ``at .. at + T - 1`` (default ``cache.index``) with ids ``segment_ids [B, T]`` (default:
+  the last written position's), and its index advanced by T.
 
   The one write into a :class:`KVCache`, of a registered variant's decode and of an
   injected Flax ``attention_fn``'s alike.
   """
+  T = k.shape[1]
+  ids = segment_ids_of(cache, segment_ids, T)
   at = cache.index if at is None else at
   put = lambda c, x: lax.dynamic_update_slice_in_dim(  # noqa: E731
       c, x.swapaxes(1, 2).astype(c.dtype), at, axis=2)
-  return KVCache(put(cache.key, k), put(cache.value, v), cache.index + k.shape[1])
+  return KVCache(put(cache.key, k), put(cache.value, v), cache.index + T,
+                 lax.dynamic_update_slice_in_dim(cache.segment_ids, ids, at, axis=1))
 
 
 def kv_decode(spec: AttentionSpec, cache: KVCache, q: jax.Array, k: jax.Array, v: jax.Array,
-              *, options: Mapping[str, Any],
-              mask: jax.Array | None) -> tuple[KVCache, jax.Array]:
+              *, options: Mapping[str, Any], mask: jax.Array | None,
+              segment_ids: jax.Array | None = None) -> tuple[KVCache, jax.Array]:
   """Writes T keys at ``index``; query t reads positions ``<= index + t``.
 
   The read takes the cached positions ``< index`` from the cache as it was
@@ -181,12 +220,18 @@ def kv_decode(spec: AttentionSpec, cache: KVCache, q: jax.Array, k: jax.Array, v
   row ``i = index + t`` reads only the L keys it names (``sparse.decode_rows``),
   gathered from the cache: a step costs O(L), not O(C). ``mask``
   (``[B|1, N|1, T, C]``, over the cache's positions) narrows both.
+
+  ``segment_ids`` ``[B, T]`` (None: the last position's, see :func:`segment_ids_of`)
+  are written with the keys; a variant without a pattern reads only the keys of a
+  query's own id. (A pattern's positions are the cache's, so a packed pattern is not
+  decoded here: the layer refuses ``segment_ids`` for one, and its ids never change.)
   """
   B, K, C, H = cache.key.shape
   T = q.shape[1]
   if T > C:
     raise ValueError(f"MultiHeadAttention: {T} positions do not fit a KV cache of capacity {C}.")
   index = cache.index
+  ids = segment_ids_of(cache, segment_ids, T)
   jax.debug.callback(_check_capacity, index, T, C)
   chunk_columns = lambda m: lax.dynamic_slice_in_dim(  # noqa: E731  [.., C] -> [.., T]
       jnp.pad(m, [(0, 0)] * (m.ndim - 1) + [(0, T)]), index, T, axis=-1)
@@ -212,14 +257,18 @@ def kv_decode(spec: AttentionSpec, cache: KVCache, q: jax.Array, k: jax.Array, v
       old = old & pattern
       new = new & chunk_columns(pattern)
     cached_key, cached_value = cache.key, cache.value
+    if spec.dense_mask is None:  # A query reads its segment's keys: [B, 1, T, C] / [B, 1, T, T].
+      old = old & (cache.segment_ids[:, None, None, :] == ids[:, None, :, None])
+      new = new & (ids[:, None, None, :] == ids[:, None, :, None])
   scale = checks.resolve_scale(options.get("scale"), H)
   read = lambda: _cached_read(q, (cached_key, k), (cached_value, v), (old, new), scale)  # noqa: E731
   if spec.full_softmax and T > 1 and mask is None:
-    fresh = lambda: spec.function(q, k, v, is_causal=True, **options)  # noqa: E731
+    packed = {} if segment_ids is None else {"segment_ids": ids}
+    fresh = lambda: spec.function(q, k, v, is_causal=True, **packed, **options)  # noqa: E731
     out = lax.cond(index == 0, fresh, read)  # A prompt from position 0 needs no cache read.
   else:
     out = read()
-  return write(cache, k, v, at=_after(index, out)), out
+  return write(cache, k, v, at=_after(index, out), segment_ids=ids), out
 
 
 def _gathered(cache: jax.Array, at: jax.Array) -> jax.Array:
@@ -332,12 +381,17 @@ def _pattern_rows(spec: AttentionSpec, C: int, index: jax.Array, T: int,
 
 
 def state_decode(spec: AttentionSpec, cache: StateCache, q: jax.Array, k: jax.Array,
-                 v: jax.Array, *, options: Mapping[str, Any],
-                 gates: Mapping[str, jax.Array]) -> tuple[StateCache, jax.Array]:
+                 v: jax.Array, *, options: Mapping[str, Any], gates: Mapping[str, jax.Array],
+                 segment_ids: jax.Array | None = None) -> tuple[StateCache, jax.Array]:
   """Advances a streaming state by T positions: one step, a stateful pass, or a scan.
 
   ``options``: the variant's options and arrays; ``gates``: a gated variant's
   per-token inputs ``[B, T, K(, H)]``; a step takes each token's ``[B, K(, H)]``.
+
+  ``segment_ids`` ``[B, T]`` (recurrent states only; None: the positions continue the
+  last one's segment): where the first position's id differs from the last decoded
+  one's, the state restarts from the empty state; boundaries inside a chunk are the
+  variant function's to honour (it takes them as ``segment_ids``).
 
   A ring buffer holds keys and values in the cache's dtype: the chunk is
   attended in that dtype and the output cast back to the inputs'.
@@ -346,6 +400,16 @@ def state_decode(spec: AttentionSpec, cache: StateCache, q: jax.Array, k: jax.Ar
   step_options = accepted(streaming.step, options)
   T = q.shape[1]
   dtype = q.dtype
+  ids = segment_ids_of(cache, segment_ids, T)
+  state = cache.state
+  packed = {}
+  if segment_ids is not None:
+    restart = ids[:, 0] != cache.segment_id  # [B]
+    empty_ = _empty_state(spec, q, k, options)
+    state = jax.tree.map(
+        lambda x, e: jnp.where(restart.reshape((-1,) + (1,) * (x.ndim - 1)), e.astype(x.dtype), x),
+        state, empty_)
+    packed = {"segment_ids": ids}
   if spec.cache_kind is CacheKind.WINDOW:
     q, k, v = (x.astype(jax.tree.leaves(cache.state)[0].dtype) for x in (q, k, v))
 
@@ -363,15 +427,15 @@ def state_decode(spec: AttentionSpec, cache: StateCache, q: jax.Array, k: jax.Ar
     return jax.tree.map(lambda x, y: x.astype(y.dtype), state, like)
 
   if T == 1:
-    state, out = steps(cache.state)
+    state, out = steps(state)
   elif spec.cache_kind is CacheKind.RECURRENT:
-    out, state = spec.function(q, k, v, is_causal=True, initial_state=cache.state,
-                               return_state=True, **options, **gates)
+    out, state = spec.function(q, k, v, is_causal=True, initial_state=state,
+                               return_state=True, **packed, **options, **gates)
   else:  # A ring buffer: a prompt from position 0 is one blocked pass, later chunks scan.
     def fresh(state):
       out, new = spec.function(q, k, v, is_causal=True, return_state=True, **options)
       return cast_like(new, state), out.astype(q.dtype)
 
-    state, out = lax.cond(cache.index == 0, fresh, steps, cache.state)
+    state, out = lax.cond(cache.index == 0, fresh, steps, state)
   state = cast_like(state, cache.state)
-  return StateCache(state, cache.index + T), out.astype(dtype)
+  return StateCache(state, cache.index + T, ids[:, -1]), out.astype(dtype)

@@ -30,16 +30,18 @@ class Dropout(NamedTuple):
 def softmax(spec: AttentionSpec, q: jax.Array, k: jax.Array, v: jax.Array, *,
             options: Mapping[str, Any], mask: jax.Array | None, is_causal: bool,
             lengths: jax.Array | None, dropout: Dropout | None = None,
-            sow: Callable[[jax.Array], None] | None = None) -> jax.Array:
+            sow: Callable[[jax.Array], None] | None = None, segment_ids: Any = None) -> jax.Array:
   """Softmax attention over ``spec``'s pattern and ``mask`` on ``[B, T, N, H]`` arrays.
 
   ``sow`` receives the weights ``[B, N, T, S]`` (float32) before dropout.
   Without a pattern, dropout or sowing this is the variant's own function
-  with the mask.
+  with the mask. ``segment_ids`` (``[B, T]`` or the pair ``([B, T], [B, S])``)
+  restrict each query to its own segment's keys, as in ``softmax_attention``.
   """
   if spec.dense_mask is None and dropout is None and sow is None:
+    packed = {} if segment_ids is None else {"segment_ids": segment_ids}
     return spec.function(q, k, v, mask=mask, is_causal=is_causal,
-                         key_value_seq_lengths=lengths, **options)
+                         key_value_seq_lengths=lengths, **packed, **options)
   if spec.dense_mask is not None:
     T, S = q.shape[1], k.shape[1]
     what = accepted(spec.dense_mask, spec.what_options(options))
@@ -48,7 +50,8 @@ def softmax(spec: AttentionSpec, q: jax.Array, k: jax.Array, v: jax.Array, *,
     mask = pattern if mask is None else mask & pattern
   a = dense.prepare(q, k, v, bias=None, mask=mask, is_causal=is_causal,
                     scale=options.get("scale"), query_seq_lengths=None,
-                    key_value_seq_lengths=lengths, fn="MultiHeadAttention")
+                    key_value_seq_lengths=lengths, segment_ids=segment_ids,
+                    fn="MultiHeadAttention")
   w = dense.weights(a)  # [B, N, T, S] float32
   if sow is not None:
     sow(w)
@@ -61,8 +64,9 @@ def softmax(spec: AttentionSpec, q: jax.Array, k: jax.Array, v: jax.Array, *,
 
 
 def implied(spec: AttentionSpec, q: jax.Array, k: jax.Array, *, options: Mapping[str, Any],
-            is_causal: bool, lengths: jax.Array | None) -> jax.Array:
-  """The normalised weights ``[B, N, T, S]`` a kernel variant implies (``spec.weights``)."""
+            is_causal: bool, lengths: jax.Array | None, **packed: Any) -> jax.Array:
+  """The normalised weights ``[B, N, T, S]`` a kernel variant implies (``spec.weights``);
+  ``packed``: its ``segment_ids``, where it takes them."""
   implied_ = spec.weights(q, k, is_causal=is_causal, key_value_seq_lengths=lengths,
-                          **spec.what_options(options))
+                          **packed, **spec.what_options(options))
   return implied_.weights / implied_.normalizer[..., None]

@@ -1,0 +1,217 @@
+"""Packed sequences through the layer: one call equals each document alone, decoding across a
+boundary equals a fresh decode, and what cannot be honoured raises."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _helpers import TOLERANCE, suite_options
+from flax import nnx
+
+import linattn_jax as la
+from linattn_jax import nn, parallel
+from linattn_jax._src.nn import attention, packing
+from linattn_jax._src.registry import CacheKind, get_spec
+
+B, T, IN, N, K = 2, 11, 16, 4, 2  # GQA: two query heads per key/value head.
+# Documents per row: a boundary inside the row, a one-token document, and one at the end.
+IDS = np.array([[0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1],
+                [4, 4, 5, 6, 6, 6, 6, 6, 6, 9, 9]], np.int32)
+# Every variant whose function takes segment_ids joins by taking them.
+PACKED = [name for name in la.available_attentions()
+          if packing.takes_segment_ids(get_spec(name).function)]
+# Those whose decode cache honours them: a KV cache without a pattern, or a recurrent state.
+DECODED = [name for name in PACKED if get_spec(name).supports_causal and (
+    get_spec(name).cache_kind is CacheKind.RECURRENT
+    or (get_spec(name).cache_kind is CacheKind.KV and get_spec(name).dense_mask is None))]
+
+
+def _layer(name: str, **kw) -> nn.MultiHeadAttention:
+  spec = get_spec(name)
+  owned = spec.params.names + ("rng",) if spec.params is not None else ()
+  options = {k: v for k, v in suite_options(spec).items() if k not in owned}
+  return nn.MultiHeadAttention(N, IN, num_kv_heads=K, attention=name,
+                               attention_options=options, rngs=nnx.Rngs(0), **kw)
+
+
+def _documents(ids: np.ndarray) -> list[slice]:
+  """The slices of a row's documents."""
+  starts = [0] + [t for t in range(1, len(ids)) if ids[t] != ids[t - 1]] + [len(ids)]
+  return [slice(a, b) for a, b in zip(starts[:-1], starts[1:], strict=True)]
+
+
+def _tolerance(name: str) -> dict:
+  atol, rtol = TOLERANCE[jnp.dtype(jnp.float32)]
+  scale = 10 if name == "random_fourier" else 1  # Signed features: a normaliser can cancel.
+  return {"atol": scale * atol, "rtol": scale * rtol}
+
+
+@jax.jit
+def _same_segment(ids):  # [B, T] -> [B, 1, T, T]
+  return (ids[:, :, None] == ids[:, None, :])[:, None]
+
+
+@pytest.mark.parametrize("name", PACKED)
+def test_a_packed_call_equals_each_document_alone(name):
+  """Forward and gradient: a row of documents equals each document run by itself, causal
+  (and bidirectional where the variant has it)."""
+  layer = _layer(name)
+  x = jax.random.normal(jax.random.key(0), (B, T, IN))
+  ids = jnp.asarray(IDS)
+  spec = get_spec(name)
+  for causal in [c for c in (True, False) if spec.supports(None, is_causal=c)]:
+    call = nnx.jit(lambda m, x, ids, c=causal: m(x, is_causal=c, segment_ids=ids))
+    alone = nnx.jit(lambda m, x, c=causal: m(x, is_causal=c))
+    packed = call(layer, x, ids)
+    for b in range(B):
+      for doc in _documents(IDS[b]):
+        np.testing.assert_allclose(packed[b, doc], alone(layer, x[b:b + 1, doc])[0],
+                                   err_msg=f"{name} causal={causal} row {b} {doc}",
+                                   **_tolerance(name))
+  # The gradient of a loss on one document's outputs reaches no input of the others.
+  doc = _documents(IDS[0])[1]
+  grad = jax.grad(lambda x: jnp.sum(layer(x, is_causal=True, segment_ids=ids)[0, doc] ** 2))(x)
+  assert np.all(np.asarray(grad[0, :doc.start]) == 0) and np.all(np.asarray(grad[1]) == 0)
+  want = jax.grad(lambda y: jnp.sum(layer(y, is_causal=True) ** 2))(x[:1, doc])
+  np.testing.assert_allclose(grad[0, doc], want[0], atol=1e-4, rtol=1e-4)
+
+
+def test_segment_ids_with_a_mask_and_lengths_are_all_honoured():
+  """softmax: ids, a general mask and key lengths at once equal the mask of all three;
+  flash (no mask) takes ids with lengths; the pair of ids serves cross-attention."""
+  layer = _layer("softmax")
+  x = jax.random.normal(jax.random.key(1), (B, T, IN))
+  ids, lengths = jnp.asarray(IDS), jnp.array([T, 7])
+  mask = jax.random.bernoulli(jax.random.key(2), 0.7, (B, 1, T, T))
+  got = layer(x, mask=mask, key_value_seq_lengths=lengths, segment_ids=ids, is_causal=True)
+  want = layer(x, mask=mask & _same_segment(ids), key_value_seq_lengths=lengths, is_causal=True)
+  np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-6)
+  flash = _layer("flash")
+  nnx.update(flash, nnx.state(layer, nnx.Param))
+  np.testing.assert_allclose(
+      flash(x, key_value_seq_lengths=lengths, segment_ids=ids, is_causal=True),
+      layer(x, key_value_seq_lengths=lengths, segment_ids=ids, is_causal=True),
+      atol=2e-5, rtol=2e-5)
+  # Cross-attention: 5 queries against the 11 keys, ids on both sides.
+  q_ids = jnp.array([[0, 0, 1, 1, 1], [5, 6, 6, 9, 9]])
+  cross = layer(x[:, :5], x, segment_ids=(q_ids, ids))
+  pair_mask = (q_ids[:, :, None] == ids[:, None, :])[:, None]
+  np.testing.assert_allclose(cross, layer(x[:, :5], x, mask=pair_mask), atol=1e-6, rtol=1e-6)
+  # Leading batch dims: [2, 1, T] ids for [2, 1, T, in] inputs.
+  np.testing.assert_allclose(layer(x[:, None], is_causal=True, segment_ids=ids[:, None])[:, 0],
+                             layer(x, is_causal=True, segment_ids=ids), atol=1e-6, rtol=1e-6)
+
+
+# A prompt, a step, a chunk across the boundary (positions 4..6), then steps: every path.
+PIECES = (3, 1, 3, 1, 1, 2)
+# One row of two documents, 4 and 7 positions; the second row one document throughout.
+DECODE_IDS = np.array([[0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1], [2] * T], np.int32)
+
+
+@nnx.jit
+def _decode_pieces(layer, x, ids):
+  """``x`` decoded in ``PIECES`` from a fresh cache, each piece with its ids."""
+  bounds = np.cumsum((0,) + PIECES)
+  return jnp.concatenate([layer(x[:, a:b], decode=True, segment_ids=ids[:, a:b])
+                          for a, b in zip(bounds[:-1], bounds[1:], strict=True)], 1)
+
+
+@nnx.jit
+def _decode_steps(layer, x):
+  """``x`` decoded one position at a time, without ids."""
+  return jnp.concatenate([layer(x[:, t:t + 1], decode=True) for t in range(x.shape[1])], 1)
+
+
+@pytest.mark.parametrize("name", DECODED)
+def test_decoding_across_a_boundary_equals_a_fresh_decode_of_the_next_document(name):
+  layer = _layer(name)
+  x = jax.random.normal(jax.random.key(3), (B, T, IN))
+  layer.init_cache((B, T + 1, IN))
+  got = _decode_pieces(layer, x, jnp.asarray(DECODE_IDS))
+  tolerance = _tolerance(name)
+  # The first document and the unbroken row equal one causal call over them.
+  full = layer(x, is_causal=True, segment_ids=jnp.asarray(DECODE_IDS))
+  np.testing.assert_allclose(got, full, err_msg=name, **tolerance)
+  # The second document equals it decoded from a fresh cache.
+  layer.init_cache((1, T + 1, IN))
+  fresh = _decode_steps(layer, x[:1, 4:])
+  np.testing.assert_allclose(got[:1, 4:], fresh, err_msg=name, **tolerance)
+  # Positions without ids continue the last decoded one's document.
+  layer.init_cache((B, T + 1, IN))
+  first = layer(x[:, :6], decode=True, segment_ids=jnp.asarray(DECODE_IDS[:, :6]))
+  rest = _decode_steps(layer, x[:, 6:])
+  np.testing.assert_allclose(jnp.concatenate([first, rest], 1), got, err_msg=name, **tolerance)
+  assert np.array_equal(_last_ids(layer.cache.get_value()), DECODE_IDS[:, -1])
+
+
+def _last_ids(cache) -> np.ndarray:
+  if isinstance(cache, nn.KVCache):
+    return np.asarray(cache.segment_ids[:, int(cache.index) - 1])
+  return np.asarray(cache.segment_id)
+
+
+def _without_segment_ids(name: str, monkeypatch) -> None:
+  """Makes ``name``'s layer see a function without ``segment_ids``."""
+  spec = get_spec(name)
+
+  def no_packing(query, key, value, *, is_causal=False, key_value_seq_lengths=None):
+    return spec.function(query, key, value, is_causal=is_causal,
+                         key_value_seq_lengths=key_value_seq_lengths)
+
+  monkeypatch.setattr(attention, "get_spec",
+                      lambda _: dataclasses.replace(spec, name="unpacked", function=no_packing))
+
+
+def test_what_cannot_be_honoured_raises(monkeypatch):
+  x = jnp.ones((B, T, IN))
+  ids = jnp.asarray(IDS)
+  layer = _layer("softmax")
+  for bad, match in [
+      (ids.astype(jnp.float32), r"segment_ids must be integers; got float32"),
+      (ids[:, :5], r"segment_ids must have shape \[..., L\] = \(2, 11\) for these inputs; "
+                   r"got \(2, 5\)"),
+      ((ids,), r"a pair takes two arrays; got a tuple of 1 items"),
+  ]:
+    with pytest.raises(ValueError, match=match):
+      layer(x, is_causal=True, segment_ids=bad)
+  with pytest.raises(ValueError, match=r"queries \(5\) and keys \(11\) differ in length; pass "
+                     r"the pair"):
+    layer(x[:, :5], x, segment_ids=ids)
+  layer.init_cache((B, T, IN))
+  with pytest.raises(ValueError, match="decoding takes one array"):
+    layer(x, decode=True, segment_ids=(ids, ids))
+  flax_like = nn.MultiHeadAttention(N, IN, attention_fn=nn.as_flax_attention_fn(
+      la.softmax_attention), rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="segment_ids reach registered attentions only"):
+    flax_like(x, segment_ids=ids)
+  mesh = jax.make_mesh((2,), ("seq",), devices=jax.devices()[:2])
+  split = nn.MultiHeadAttention(N, IN, rngs=nnx.Rngs(0),
+                                context_parallel=parallel.ContextParallel(mesh, "seq"))
+  with pytest.raises(ValueError, match="context_parallel takes no segment_ids"):
+    split(jnp.ones((B, 8, IN)), is_causal=True, segment_ids=jnp.zeros((B, 8), jnp.int32))
+  # A sparse pattern lies over the row's (or the cache's) positions.
+  strided = _layer("strided")
+  with pytest.raises(ValueError, match="attention='strided'.* segment_ids"):
+    strided(x, is_causal=True, segment_ids=ids, mask=jnp.ones((1, 1, T, T), bool))
+  strided.init_cache((B, T, IN))
+  with pytest.raises(ValueError, match="attention='strided'.* segment_ids"):
+    strided(x, decode=True, segment_ids=ids)
+  local = _layer("local")
+  local.init_cache((B, T, IN))
+  with pytest.raises(ValueError, match="attention='local'.* segment_ids"):
+    local(x[:, :1], decode=True, segment_ids=ids[:, :1])
+  # A variant whose function does not take them is refused by name, never ignored.
+  _without_segment_ids("linear_elu", monkeypatch)
+  unpacked = nn.MultiHeadAttention(N, IN, attention="linear_elu", rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="attention='unpacked' does not take segment_ids; its "
+                     "function has no packed-sequence support"):
+    unpacked(x, is_causal=True, segment_ids=ids)
+  unpacked.init_cache((B, T, IN))
+  with pytest.raises(ValueError, match="attention='unpacked' does not take segment_ids while "
+                     "decoding"):
+    unpacked(x[:, :1], decode=True, segment_ids=ids[:, :1])
+  assert unpacked(x[:, :1], decode=True).shape == (B, 1, IN)  # Without ids it decodes.
