@@ -7,7 +7,9 @@ A batch is a dict of numpy arrays:
   position) or ``[B]`` (classification);
 - ``weights`` ``[B, L]`` float32: which positions count in the loss and the
   metrics (language tasks);
-- ``lengths`` ``[B]`` int32: valid tokens per example (padded classification).
+- ``lengths`` ``[B]`` int32: valid tokens per example (padded classification);
+- ``segment_ids`` ``[B, L]`` int32: packed rows (a task made of documents, with
+  packing): the document of each input token, non-decreasing along the row.
 
 ``batch(seed, step)`` draws from ``numpy.random.default_rng((seed, step,
 split))``, so a resumed run sees exactly the batches it would have seen, on
@@ -40,6 +42,9 @@ class Task:
   num_classes: int | None  # Classification only.
   batch: Callable[[int, int, int, int, int], dict[str, np.ndarray]]  # (seed, step, split, B, L)
   describe: str
+  # The same rows with the documents in them told apart (``segment_ids``, and no target
+  # across a boundary): for tasks whose text is made of documents; None for the others.
+  packed_batch: Callable[[int, int, int, int, int], dict[str, np.ndarray]] | None = None
 
 
 def _rng(seed: int, step: int, split: int) -> np.random.Generator:
@@ -52,13 +57,8 @@ CORPUS_BYTES = 8 * 2**20  # The first 8 MiB of standard-library source, by sorte
 
 
 @functools.lru_cache(maxsize=1)
-def stdlib_corpus() -> tuple[np.ndarray, np.ndarray]:
-  """``(train, valid)`` byte arrays from this Python's standard library sources.
-
-  Files are read in sorted order up to ``CORPUS_BYTES``; about one file in
-  ten (by a hash of its relative path) is held out, so validation text comes
-  from files never trained on.
-  """
+def _stdlib_files() -> tuple[list[bytes], list[bytes]]:
+  """The training and held-out source files, in sorted order (see :func:`stdlib_corpus`)."""
   root = pathlib.Path(sysconfig.get_paths()["stdlib"])
   parts: tuple[list[bytes], list[bytes]] = ([], [])
   total = 0
@@ -67,16 +67,36 @@ def stdlib_corpus() -> tuple[np.ndarray, np.ndarray]:
     if "site-packages" in rel or rel.startswith("test"):
       continue
     text = path.read_bytes()
+    if not text:
+      continue
     held_out = hashlib.sha256(rel.encode()).digest()[0] % 10 == 0
     parts[held_out].append(text)
     total += len(text)
     if total >= CORPUS_BYTES:
       break
-  train, valid = (np.frombuffer(b"".join(p), np.uint8) for p in parts)
-  if len(valid) < 2**16 or len(train) < 2**20:
+  train, valid = (sum(len(t) for t in p) for p in parts)
+  if valid < 2**16 or train < 2**20:
     raise RuntimeError(f"standard library sources under {root} are too small "
-                       f"({len(train)} / {len(valid)} bytes).")
+                       f"({train} / {valid} bytes).")
+  return parts
+
+
+@functools.lru_cache(maxsize=1)
+def stdlib_corpus() -> tuple[np.ndarray, np.ndarray]:
+  """``(train, valid)`` byte arrays from this Python's standard library sources.
+
+  Files are read in sorted order up to ``CORPUS_BYTES`` and laid end to end;
+  about one file in ten (by a hash of its relative path) is held out, so
+  validation text comes from files never trained on.
+  """
+  train, valid = (np.frombuffer(b"".join(p), np.uint8) for p in _stdlib_files())
   return train, valid
+
+
+@functools.lru_cache(maxsize=1)
+def stdlib_document_starts() -> tuple[np.ndarray, np.ndarray]:
+  """``(train, valid)``: where each file (a document) starts in :func:`stdlib_corpus`'s arrays."""
+  return tuple(np.cumsum([0] + [len(t) for t in p[:-1]]) for p in _stdlib_files())
 
 
 def unigram_entropy_bits() -> float:
@@ -87,12 +107,38 @@ def unigram_entropy_bits() -> float:
   return float(-(p * np.log2(p)).sum())
 
 
-def char_lm_batch(seed: int, step: int, split: int, B: int, L: int) -> dict[str, np.ndarray]:
+def char_lm_window_starts(seed: int, step: int, split: int, B: int, L: int) -> np.ndarray:
+  """The first positions ``[B]`` of the batch's windows of ``L + 1`` bytes."""
   text = stdlib_corpus()[split]
-  starts = _rng(seed, step, split).integers(0, len(text) - L - 1, size=B)
-  windows = np.stack([text[s:s + L + 1] for s in starts]).astype(np.int32)
+  return _rng(seed, step, split).integers(0, len(text) - L - 1, size=B)
+
+
+def char_lm_batch(seed: int, step: int, split: int, B: int, L: int) -> dict[str, np.ndarray]:
+  """Windows of the files laid end to end, each predicting its next byte everywhere."""
+  text = stdlib_corpus()[split]
+  windows = np.stack([text[s:s + L + 1] for s in char_lm_window_starts(seed, step, split, B, L)])
+  windows = windows.astype(np.int32)
   return {"inputs": windows[:, :-1], "targets": windows[:, 1:],
           "weights": np.ones((B, L), np.float32)}
+
+
+def char_lm_packed_batch(seed: int, step: int, split: int, B: int,
+                         L: int) -> dict[str, np.ndarray]:
+  """:func:`char_lm_batch`'s rows, packed: the files in them told apart.
+
+  The same windows of the files laid end to end (the same bytes in the same order),
+  with ``segment_ids`` ``[B, L]``, the file of each input byte counted from the row's
+  first (0), and the weight of a target in another file than its input (the first
+  byte of a file predicted from the last of the one before) set to 0.
+  """
+  batch = char_lm_batch(seed, step, split, B, L)
+  first = char_lm_window_starts(seed, step, split, B, L)
+  starts = stdlib_document_starts()[split]
+  files = np.searchsorted(starts, first[:, None] + np.arange(L + 1), side="right") - 1
+  files = files - files[:, :1]  # [B, L + 1]
+  batch["segment_ids"] = files[:, :-1].astype(np.int32)
+  batch["weights"] = (files[:, 1:] == files[:, :-1]).astype(np.float32)
+  return batch
 
 
 # -------------------------------------------------------------------- mqar ---
@@ -211,7 +257,8 @@ def listops_batch(seed: int, step: int, split: int, B: int, L: int) -> dict[str,
 
 TASKS = {
     "char_lm": Task("char_lm", 256, True, None, char_lm_batch,
-                    "bytes of the standard library's own sources; held-out files"),
+                    "bytes of the standard library's own sources; held-out files",
+                    packed_batch=char_lm_packed_batch),
     "mqar": Task("mqar", MQAR_VOCAB, True, None, mqar_batch,
                  "multi-query associative recall (Zoology)"),
     "copy": Task("copy", COPY_VOCAB, True, None, copy_batch,

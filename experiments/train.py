@@ -88,6 +88,11 @@ _SAMPLE_LENGTH = flags.DEFINE_integer("sample_length", 96, "Generated characters
 _SHORT_CONV = flags.DEFINE_integer(
     "short_conv", 0, "Width of a causal depthwise convolution before each attention (Based's "
     "short convolution; 0: none). Decoders only.")
+_PACK = flags.DEFINE_bool(
+    "pack", None, "Tell the documents in a row apart (char_lm: each source file is one): "
+    "attention and the short convolution stay inside a document, positions count from its "
+    "start, and no target crosses a boundary. Default: on for char_lm, except with "
+    "--context_parallel > 1, which splits rows along their length and takes no documents.")
 _CONTEXT_PARALLEL = flags.DEFINE_integer(
     "context_parallel", 1, "Devices each sequence is split over (ring attention for softmax "
     "and flash, state passing for recurrent variants); the batch is split over the rest.")
@@ -124,6 +129,7 @@ class Config:
   sample_length: int
   context_parallel: int = 1
   short_conv: int = 0
+  pack: bool = False
 
   def training(self) -> dict[str, Any]:
     """The fields that define what is trained (compared on resume)."""
@@ -209,12 +215,21 @@ def config_from_flags() -> Config:
   if _SHORT_CONV.value and not task.causal:
     raise app.UsageError(f"--short_conv is causal, for decoders; --task={task.name} "
                          "classifies with a bidirectional encoder.")
+  pack = _PACK.value
+  if pack is None:
+    pack = task.packed_batch is not None and split == 1
+  elif pack and task.packed_batch is None:
+    raise app.UsageError(f"--pack: --task={task.name} has no documents to pack.")
+  elif pack and split > 1:
+    raise app.UsageError(f"--pack: --context_parallel={split} splits rows along their length "
+                         "and takes no documents; pass --nopack.")
   if _REDRAW_EVERY.value and (la.get_spec(_ATTENTION.value).params is None
                               or la.get_spec(_ATTENTION.value).params.trainable):
     raise app.UsageError(f"--redraw_every applies to random-feature attentions; "
                          f"--attention={_ATTENTION.value} has none.")
   config = Config(**{f.name: flags.FLAGS[f.name].value for f in dataclasses.fields(Config)
-                     if f.name != "attention_options"}, attention_options=options)
+                     if f.name not in ("attention_options", "pack")},
+                  attention_options=options, pack=pack)
   check_model(config, "--attention_options / sizes")
   return config
 
@@ -263,7 +278,7 @@ def make_optimizer(config: Config) -> optax.GradientTransformation:
 def loss_and_metrics(model: Transformer, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict]:
   """Mean cross-entropy over the scored positions (or examples) and the accuracy."""
   if model.causal:
-    logits = model(batch["inputs"])
+    logits = model(batch["inputs"], segment_ids=batch.get("segment_ids"))
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
     w = batch["weights"]
     total = jnp.maximum(w.sum(), 1.0)
@@ -414,7 +429,8 @@ class Trainer:
   def batch(self, step: int, split: int) -> dict[str, jax.Array]:
     c = self.config
     task = data.TASKS[c.task]
-    batch = task.batch(c.seed, step, split, c.batch_size, c.seq_len)
+    batch = (task.packed_batch if c.pack else task.batch)(
+        c.seed, step, split, c.batch_size, c.seq_len)
     return {k: jax.device_put(x, self.sharded[x.ndim]) for k, x in batch.items()}
 
   def model(self) -> Transformer:
@@ -691,7 +707,8 @@ def train(config: Config) -> dict[str, Any]:
   metrics_path.write_text("".join(json.dumps(r) + "\n" for r in records))
   task = data.TASKS[config.task]
   params = sum(x.size for x in jax.tree.leaves(trainer.state["params"]))
-  print(f"{task.name} ({task.describe}); attention={config.attention} "
+  print(f"{task.name} ({task.describe}{', packed' if config.pack else ''}); "
+        f"attention={config.attention} "
         f"{config.attention_options or ''}; {params / 1e6:.2f}M parameters; "
         f"{jax.local_device_count()} {jax.default_backend()} device(s)", flush=True)
   tokens_per_step = config.batch_size * config.seq_len

@@ -300,11 +300,21 @@ def parse_flags():
     ("--redraw_every=5", "--redraw_every applies to random-feature attentions"),
     ("--context_parallel=3", "--context_parallel=3 must divide the 8 local devices"),
     ("--task=listops --short_conv=2", "--short_conv is causal"),
+    ("--task=mqar --pack", "--pack: --task=mqar has no documents to pack"),
+    ("--pack --context_parallel=2", "--pack: --context_parallel=2 splits rows"),
 ])
 def test_bad_flags_are_refused_naming_them(parse_flags, flag, message):
   with pytest.raises((app.UsageError, flags.IllegalFlagValueError), match=re.escape(message)):
     parse_flags(*TINY_FLAGS, *flag.split())
     train.config_from_flags()
+
+
+@pytest.mark.parametrize("argv, pack", [
+    ((), True), (("--nopack",), False), (("--task=mqar",), False),
+    (("--context_parallel=2",), False)])
+def test_char_lm_packs_by_default(parse_flags, argv, pack):
+  parse_flags(*TINY_FLAGS, *argv)
+  assert train.config_from_flags().pack is pack
 
 
 def test_a_bad_flag_fails_the_run_with_one_line_and_writes_nothing(tmp_path):
