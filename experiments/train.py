@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import json
 import logging as std_logging
 import math
@@ -91,8 +92,8 @@ _SHORT_CONV = flags.DEFINE_integer(
 _PACK = flags.DEFINE_bool(
     "pack", None, "Tell the documents in a row apart (char_lm: each source file is one): "
     "attention and the short convolution stay inside a document, positions count from its "
-    "start, and no target crosses a boundary. Default: on for char_lm, except with "
-    "--context_parallel > 1, which splits rows along their length and takes no documents.")
+    "start, and no target crosses a boundary. Default: on for char_lm where --attention "
+    "takes segment_ids and --context_parallel is 1 (it splits rows along their length).")
 _CONTEXT_PARALLEL = flags.DEFINE_integer(
     "context_parallel", 1, "Devices each sequence is split over (ring attention for softmax "
     "and flash, state passing for recurrent variants); the batch is split over the rest.")
@@ -216,13 +217,17 @@ def config_from_flags() -> Config:
     raise app.UsageError(f"--short_conv is causal, for decoders; --task={task.name} "
                          "classifies with a bidirectional encoder.")
   pack = _PACK.value
+  packs = "segment_ids" in inspect.signature(la.get_spec(_ATTENTION.value).function).parameters
   if pack is None:
-    pack = task.packed_batch is not None and split == 1
+    pack = task.packed_batch is not None and split == 1 and packs
   elif pack and task.packed_batch is None:
     raise app.UsageError(f"--pack: --task={task.name} has no documents to pack.")
   elif pack and split > 1:
     raise app.UsageError(f"--pack: --context_parallel={split} splits rows along their length "
                          "and takes no documents; pass --nopack.")
+  elif pack and not packs:
+    raise app.UsageError(f"--pack: --attention={_ATTENTION.value} takes no segment_ids; pass "
+                         "--nopack.")
   if _REDRAW_EVERY.value and (la.get_spec(_ATTENTION.value).params is None
                               or la.get_spec(_ATTENTION.value).params.trainable):
     raise app.UsageError(f"--redraw_every applies to random-feature attentions; "
