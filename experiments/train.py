@@ -92,8 +92,8 @@ _SHORT_CONV = flags.DEFINE_integer(
 _PACK = flags.DEFINE_bool(
     "pack", None, "Tell the documents in a row apart (char_lm: each source file is one): "
     "attention and the short convolution stay inside a document, positions count from its "
-    "start, and no target crosses a boundary. Default: on for char_lm where --attention "
-    "takes segment_ids and --context_parallel is 1 (it splits rows along their length).")
+    "start, and no target crosses a boundary. Default: on where it can run (char_lm, with an "
+    "--attention, and a --context_parallel, that take segment_ids).")
 _CONTEXT_PARALLEL = flags.DEFINE_integer(
     "context_parallel", 1, "Devices each sequence is split over (ring attention for softmax "
     "and flash, state passing for recurrent variants); the batch is split over the rest.")
@@ -216,18 +216,11 @@ def config_from_flags() -> Config:
   if _SHORT_CONV.value and not task.causal:
     raise app.UsageError(f"--short_conv is causal, for decoders; --task={task.name} "
                          "classifies with a bidirectional encoder.")
-  pack = _PACK.value
-  packs = "segment_ids" in inspect.signature(la.get_spec(_ATTENTION.value).function).parameters
+  pack, cannot = _PACK.value, cannot_pack(task, _ATTENTION.value, split)
   if pack is None:
-    pack = task.packed_batch is not None and split == 1 and packs
-  elif pack and task.packed_batch is None:
-    raise app.UsageError(f"--pack: --task={task.name} has no documents to pack.")
-  elif pack and split > 1:
-    raise app.UsageError(f"--pack: --context_parallel={split} splits rows along their length "
-                         "and takes no documents; pass --nopack.")
-  elif pack and not packs:
-    raise app.UsageError(f"--pack: --attention={_ATTENTION.value} takes no segment_ids; pass "
-                         "--nopack.")
+    pack = cannot is None
+  elif pack and cannot is not None:
+    raise app.UsageError(f"--pack: {cannot}; pass --nopack.")
   if _REDRAW_EVERY.value and (la.get_spec(_ATTENTION.value).params is None
                               or la.get_spec(_ATTENTION.value).params.trainable):
     raise app.UsageError(f"--redraw_every applies to random-feature attentions; "
@@ -237,6 +230,18 @@ def config_from_flags() -> Config:
                   attention_options=options, pack=pack)
   check_model(config, "--attention_options / sizes")
   return config
+
+
+def cannot_pack(task: data.Task, attention: str, context_parallel: int) -> str | None:
+  """Why ``task``'s rows cannot be packed in this run (a reason, in flags), or None."""
+  takes_ids = lambda fn: "segment_ids" in inspect.signature(fn).parameters  # noqa: E731
+  if task.packed_batch is None:
+    return f"--task={task.name} has no documents to pack"
+  if not takes_ids(la.get_spec(attention).function):
+    return f"--attention={attention} takes no segment_ids"
+  if context_parallel > 1 and not takes_ids(parallel.ContextParallel.attend):
+    return f"--context_parallel={context_parallel} takes no segment_ids"
+  return None
 
 
 def check_model(config: Config, what: str) -> None:

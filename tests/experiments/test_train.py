@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import io
 import json
 import logging
@@ -24,6 +25,7 @@ import pytest
 from absl import app, flags
 
 from experiments import data, train
+from linattn_jax import parallel
 
 # The training loop steps optax (see conftest: standard dtype promotion for it).
 pytestmark = pytest.mark.standard_dtype_promotion
@@ -301,7 +303,6 @@ def parse_flags():
     ("--context_parallel=3", "--context_parallel=3 must divide the 8 local devices"),
     ("--task=listops --short_conv=2", "--short_conv is causal"),
     ("--task=mqar --pack", "--pack: --task=mqar has no documents to pack"),
-    ("--pack --context_parallel=2", "--pack: --context_parallel=2 splits rows"),
 ])
 def test_bad_flags_are_refused_naming_them(parse_flags, flag, message):
   with pytest.raises((app.UsageError, flags.IllegalFlagValueError), match=re.escape(message)):
@@ -312,8 +313,10 @@ def test_bad_flags_are_refused_naming_them(parse_flags, flag, message):
 @pytest.mark.parametrize("argv, pack", [
     (("--attention=softmax",), True), (("--attention=softmax", "--nopack"), False),
     (("--attention=softmax", "--task=mqar"), False),
-    (("--attention=softmax", "--context_parallel=2"), False)])
+    (("--attention=softmax", "--context_parallel=2"),
+     "segment_ids" in inspect.signature(parallel.ContextParallel.attend).parameters)])
 def test_char_lm_packs_by_default(parse_flags, argv, pack):
+  """On where it can run: char_lm, with an attention (and context parallelism) taking ids."""
   parse_flags(*[f for f in TINY_FLAGS if not f.startswith("--pack")], *argv)
   assert train.config_from_flags().pack is pack
 

@@ -21,13 +21,14 @@ B, T, IN, N, K = 2, 11, 16, 4, 2  # GQA: two query heads per key/value head.
 # Documents per row: a boundary inside the row, a one-token document, and one at the end.
 IDS = np.array([[0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1],
                 [4, 4, 5, 6, 6, 6, 6, 6, 6, 9, 9]], np.int32)
-# Every variant whose function takes segment_ids joins by taking them.
+# Every variant whose function takes segment_ids joins by taking them: those without a
+# pattern, and the sparse patterns (whose positions stay the row's).
 PACKED = [name for name in la.available_attentions()
           if packing.takes_segment_ids(get_spec(name).function)]
-# Those whose decode cache honours them: a KV cache without a pattern, or a recurrent state.
-DECODED = [name for name in PACKED if get_spec(name).supports_causal and (
-    get_spec(name).cache_kind is CacheKind.RECURRENT
-    or (get_spec(name).cache_kind is CacheKind.KV and get_spec(name).dense_mask is None))]
+PATTERNS = [name for name in PACKED if get_spec(name).dense_mask is not None]
+# Those whose decode cache honours them: a KV cache or a recurrent state (not local's ring).
+DECODED = [name for name in PACKED if get_spec(name).supports_causal
+           and get_spec(name).cache_kind is not CacheKind.WINDOW]
 
 
 def _layer(name: str, **kw) -> nn.MultiHeadAttention:
@@ -55,7 +56,7 @@ def _same_segment(ids):  # [B, T] -> [B, 1, T, T]
   return (ids[:, :, None] == ids[:, None, :])[:, None]
 
 
-@pytest.mark.parametrize("name", PACKED)
+@pytest.mark.parametrize("name", [name for name in PACKED if name not in PATTERNS])
 def test_a_packed_call_equals_each_document_alone(name):
   """Forward and gradient: a row of documents equals each document run by itself, causal
   (and bidirectional for exact softmax; the recurrences pack causal rows only)."""
@@ -77,6 +78,19 @@ def test_a_packed_call_equals_each_document_alone(name):
   assert np.all(np.asarray(grad[0, :doc.start]) == 0) and np.all(np.asarray(grad[1]) == 0)
   want = jax.grad(lambda y: jnp.sum(layer(y, is_causal=True) ** 2))(x[:1, doc])
   np.testing.assert_allclose(grad[0, doc], want[0], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", PATTERNS)
+def test_a_packed_pattern_is_its_pattern_cut_to_each_document(name):
+  """A sparse pattern keeps the row's positions: the packed call equals the pattern with
+  the documents' mask (the layer's dense path), causal and bidirectional."""
+  layer = _layer(name)
+  x = jax.random.normal(jax.random.key(4), (B, T, IN))
+  ids = jnp.asarray(IDS)
+  for causal in (True, False) if get_spec(name).supports_noncausal else (True,):
+    np.testing.assert_allclose(layer(x, is_causal=causal, segment_ids=ids),
+                               layer(x, is_causal=causal, mask=_same_segment(ids)),
+                               err_msg=f"{name} causal={causal}", **_tolerance(name))
 
 
 def test_segment_ids_with_a_mask_and_lengths_are_all_honoured():
@@ -127,18 +141,19 @@ def _decode_steps(layer, x):
 
 @pytest.mark.parametrize("name", DECODED)
 def test_decoding_across_a_boundary_equals_a_fresh_decode_of_the_next_document(name):
+  """Decoding a packed row equals the packed call; the document after the boundary equals
+  it decoded from a fresh cache (but for a pattern, whose positions are the row's)."""
   layer = _layer(name)
   x = jax.random.normal(jax.random.key(3), (B, T, IN))
   layer.init_cache((B, T + 1, IN))
   got = _decode_pieces(layer, x, jnp.asarray(DECODE_IDS))
   tolerance = _tolerance(name)
-  # The first document and the unbroken row equal one causal call over them.
   full = layer(x, is_causal=True, segment_ids=jnp.asarray(DECODE_IDS))
   np.testing.assert_allclose(got, full, err_msg=name, **tolerance)
-  # The second document equals it decoded from a fresh cache.
-  layer.init_cache((1, T + 1, IN))
-  fresh = _decode_steps(layer, x[:1, 4:])
-  np.testing.assert_allclose(got[:1, 4:], fresh, err_msg=name, **tolerance)
+  if name not in PATTERNS:
+    layer.init_cache((1, T + 1, IN))
+    fresh = _decode_steps(layer, x[:1, 4:])
+    np.testing.assert_allclose(got[:1, 4:], fresh, err_msg=name, **tolerance)
   # Positions without ids continue the last decoded one's document.
   layer.init_cache((B, T + 1, IN))
   first = layer(x[:, :6], decode=True, segment_ids=jnp.asarray(DECODE_IDS[:, :6]))
@@ -151,6 +166,24 @@ def _last_ids(cache) -> np.ndarray:
   if isinstance(cache, nn.KVCache):
     return np.asarray(cache.segment_ids[:, int(cache.index) - 1])
   return np.asarray(cache.segment_id)
+
+
+def _mesh():
+  return jax.make_mesh((2,), ("seq",), devices=jax.devices()[:2])
+
+
+@pytest.mark.skipif(not packing.takes_segment_ids(parallel.ContextParallel.attend),
+                    reason="ContextParallel.attend takes no segment_ids yet")
+@pytest.mark.parametrize("name", ["softmax", "linear_elu"])
+def test_context_parallel_packs_as_one_device(name):
+  """Rows split along T over 2 devices: the packed output of one device."""
+  layer = _layer(name)
+  split = _layer(name, context_parallel=parallel.ContextParallel(_mesh(), "seq"))
+  nnx.update(split, nnx.state(layer, nnx.Param))
+  x = jax.random.normal(jax.random.key(5), (B, 12, IN))
+  ids = jnp.asarray(np.array([[0] * 5 + [1] * 7, [3] * 6 + [4] * 6], np.int32))
+  np.testing.assert_allclose(split(x, is_causal=True, segment_ids=ids),
+                             layer(x, is_causal=True, segment_ids=ids), atol=2e-5, rtol=2e-5)
 
 
 def _without_segment_ids(name: str, monkeypatch) -> None:
@@ -187,18 +220,17 @@ def test_what_cannot_be_honoured_raises(monkeypatch):
       la.softmax_attention), rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="segment_ids reach registered attentions only"):
     flax_like(x, segment_ids=ids)
-  mesh = jax.make_mesh((2,), ("seq",), devices=jax.devices()[:2])
   split = nn.MultiHeadAttention(N, IN, rngs=nnx.Rngs(0),
-                                context_parallel=parallel.ContextParallel(mesh, "seq"))
-  with pytest.raises(ValueError, match="context_parallel takes no segment_ids"):
+                                context_parallel=parallel.ContextParallel(_mesh(), "seq"))
+  attend = parallel.ContextParallel.attend
+
+  def without_ids(self, attention, q, k, v, *, is_causal, key_value_seq_lengths=None, **options):
+    return attend(self, attention, q, k, v, is_causal=is_causal,
+                  key_value_seq_lengths=key_value_seq_lengths, **options)
+
+  monkeypatch.setattr(parallel.ContextParallel, "attend", without_ids)
+  with pytest.raises(ValueError, match="context_parallel takes no segment_ids here"):
     split(jnp.ones((B, 8, IN)), is_causal=True, segment_ids=jnp.zeros((B, 8), jnp.int32))
-  # A sparse pattern lies over the row's (or the cache's) positions.
-  strided = _layer("strided")
-  with pytest.raises(ValueError, match="attention='strided'.* segment_ids"):
-    strided(x, is_causal=True, segment_ids=ids, mask=jnp.ones((1, 1, T, T), bool))
-  strided.init_cache((B, T, IN))
-  with pytest.raises(ValueError, match="attention='strided'.* segment_ids"):
-    strided(x, decode=True, segment_ids=ids)
   local = _layer("local")
   local.init_cache((B, T, IN))
   with pytest.raises(ValueError, match="attention='local'.* segment_ids"):

@@ -356,16 +356,18 @@ class MultiHeadAttention(nnx.Module):
     ``segment_ids`` (packed sequences, not in Flax): int ids ``[..., T]``,
     non-decreasing along the sequence, one per document laid end to end in a
     row; query t sees key j only where their ids are equal, together with
-    ``is_causal``, the lengths and ``mask``, so one call equals each document run
-    alone. Cross-attention with ids on both sides takes the pair
+    ``is_causal``, the lengths, ``mask`` and a sparse pattern (which keeps the
+    row's positions), so one call equals each document run alone (for a pattern:
+    the row's pattern cut to each document). Cross-attention with ids on both sides takes the pair
     ``(query_segment_ids [..., T], kv_segment_ids [..., S])``. A gated variant's
     gates reset at each boundary inside its function. The variant's function must
     take ``segment_ids``. Decoding takes the ids of the call's positions,
     ``[..., T]`` for a prompt and ``[..., 1]`` for a step (omitted: they continue
     the last decoded position's document): a position whose id differs from the
-    one before it starts a new document, which then decodes as from a fresh cache
-    (the KV cache masks the keys of other ids; a recurrent state restarts from the
-    empty state).
+    one before it starts a new document: the KV cache masks the keys of other ids
+    and a recurrent state restarts from the empty state, so decoding equals the
+    packed call (and a document decodes as from a fresh cache, but for a pattern's
+    positions); ``local``'s ring buffer holds no ids and refuses them.
 
     Returns:
       ``[..., T, out_features]``.
@@ -379,11 +381,10 @@ class MultiHeadAttention(nnx.Module):
         positions, or inputs that do not match the cache; for ``segment_ids`` that
         are not integers or not ``[..., T]`` (the pair ``[..., T]``, ``[..., S]``
         for cross-attention), or that the variant cannot honour: a function without
-        ``segment_ids``, ``attention_fn``, ``context_parallel``, a sparse pattern's
-        weights (a mask, dropout or ``sow_weights``) or its decoding, a kernel
-        variant's sown weights. A KV cache's
-        capacity is checked when the program runs: going past it raises a
-        runtime error that names it.
+        ``segment_ids``, ``attention_fn``, a ``context_parallel`` without them,
+        decoding ``local``'s ring buffer, a kernel variant's sown weights. A KV
+        cache's capacity is checked when the program runs: going past it raises
+        a runtime error that names it.
     """
     self_attention = inputs_k is None
     inputs_k, inputs_v, batch = _inputs(inputs_q, inputs_k, inputs_v, in_q=self.in_features,
@@ -525,18 +526,15 @@ def _attend(layer: MultiHeadAttention, q: jax.Array, k: jax.Array, v: jax.Array,
   packed = {} if segment_ids is None else {"segment_ids": segment_ids}
   if packed:
     packing.require(spec)
-    if layer.context_parallel is not None:
-      raise ValueError(f"{fn}: context_parallel takes no segment_ids (it splits the rows "
-                       "along T, not by document).")
+    if layer.context_parallel is not None and not packing.takes_segment_ids(
+        layer.context_parallel.attend):
+      raise ValueError(f"{fn}: context_parallel takes no segment_ids here (its "
+                       "ContextParallel.attend has no packed-sequence support).")
   if general and layer.context_parallel is not None:
     raise ValueError(f"{fn}: context_parallel takes no mask, dropout or sow_weights.")
   sow = None if sow_as is None else lambda w: layer.sow(  # [B, N, T, S] -> [*batch, N, T, S]
       nnx.Intermediate, "attention_weights", w.astype(q.dtype).reshape(sow_as + w.shape[1:]))
   if spec.forms_weights and general:
-    if packed and spec.dense_mask is not None:
-      raise ValueError(f"{fn}: attention={layer.attention!r} forms its weights from its "
-                       "pattern over the row's positions; it takes segment_ids without a "
-                       "mask, dropout or sow_weights.")
     dropout = None if dropout_rng is None else weights.Dropout(
         dropout_rng, layer.dropout_rate, layer.broadcast_dropout)
     return weights.softmax(spec, q, k, v, options=layer.attention_options, mask=mask,
@@ -556,7 +554,8 @@ def _attend(layer: MultiHeadAttention, q: jax.Array, k: jax.Array, v: jax.Array,
                         **packed))
   if layer.context_parallel is not None:
     return layer.context_parallel.attend(layer.attention, q, k, v, is_causal=is_causal,
-                                         key_value_seq_lengths=lengths, **options, **gates)
+                                         key_value_seq_lengths=lengths, **packed, **options,
+                                         **gates)
   return spec.function(q, k, v, is_causal=is_causal, key_value_seq_lengths=lengths,
                        **packed, **options, **gates)
 
@@ -601,10 +600,10 @@ def _decode(layer: MultiHeadAttention, q: jax.Array, k: jax.Array, v: jax.Array,
   cache_lib.check_fits(cache, k, layer.cache_batch_shape)
   if segment_ids is not None:
     packing.require(spec, " while decoding")
-    if spec.dense_mask is not None or spec.cache_kind is CacheKind.WINDOW:
+    if spec.cache_kind is CacheKind.WINDOW:
       raise ValueError(f"MultiHeadAttention: decoding attention={layer.attention!r} cannot "
-                       "honour segment_ids: its pattern lies over the cache's positions, not "
-                       "a document's; decode each document from a fresh cache (init_cache).")
+                       "honour segment_ids: its ring buffer holds no ids; decode each "
+                       "document from a fresh cache (init_cache).")
   if isinstance(cache, KVCache):
     cache, out = cache_lib.kv_decode(spec, cache, q, k, v, options=layer.attention_options,
                                      mask=mask, segment_ids=segment_ids)

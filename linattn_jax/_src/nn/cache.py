@@ -222,9 +222,8 @@ def kv_decode(spec: AttentionSpec, cache: KVCache, q: jax.Array, k: jax.Array, v
   (``[B|1, N|1, T, C]``, over the cache's positions) narrows both.
 
   ``segment_ids`` ``[B, T]`` (None: the last position's, see :func:`segment_ids_of`)
-  are written with the keys; a variant without a pattern reads only the keys of a
-  query's own id. (A pattern's positions are the cache's, so a packed pattern is not
-  decoded here: the layer refuses ``segment_ids`` for one, and its ids never change.)
+  are written with the keys, and a query reads only the keys of its own id, within
+  its pattern's (whose positions are the cache's: those of the packed row).
   """
   B, K, C, H = cache.key.shape
   T = q.shape[1]
@@ -257,9 +256,11 @@ def kv_decode(spec: AttentionSpec, cache: KVCache, q: jax.Array, k: jax.Array, v
       old = old & pattern
       new = new & chunk_columns(pattern)
     cached_key, cached_value = cache.key, cache.value
-    if spec.dense_mask is None:  # A query reads its segment's keys: [B, 1, T, C] / [B, 1, T, T].
-      old = old & (cache.segment_ids[:, None, None, :] == ids[:, None, :, None])
-      new = new & (ids[:, None, None, :] == ids[:, None, :, None])
+  # Packed sequences: a query reads the keys of its own segment only.
+  key_ids = (cache.segment_ids[:, None, None, :] if rows is None  # [B, 1, 1, C]
+             else jnp.take(cache.segment_ids, at, axis=1, mode="clip"))  # [B, P, T, L]
+  old = old & (key_ids == ids[:, None, :, None])
+  new = new & (ids[:, None, None, :] == ids[:, None, :, None])  # [B, 1, T, T]
   scale = checks.resolve_scale(options.get("scale"), H)
   read = lambda: _cached_read(q, (cached_key, k), (cached_value, v), (old, new), scale)  # noqa: E731
   if spec.full_softmax and T > 1 and mask is None:
