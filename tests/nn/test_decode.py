@@ -140,8 +140,9 @@ def test_sparse_decode_past_the_dense_pattern_cap():
 
 @pytest.mark.parametrize("name", ["softmax", "longformer"])
 def test_decode_loop_updates_the_cache_in_place(name):
-  """Inside a scanned decode loop no [B, K, C, H] buffer is copied: the write waits for the
-  read, so XLA updates the carried cache in place (before: two copies per step)."""
+  """Inside a scanned decode loop no [B, K, C, H] buffer (nor the [B, C] segment ids) is
+  copied: the write waits for the read, so XLA updates the carried cache in place (before:
+  two copies per step)."""
   options = {"window_size": (4, 0), "global_positions": (0,)} if name == "longformer" else {}
   layer = _layer(name, options)
   layer.init_cache((B, C, IN))
@@ -157,4 +158,5 @@ def test_decode_loop_updates_the_cache_in_place(name):
   tokens = jnp.ones((3, B, 1, IN))
   hlo = jax.jit(run, donate_argnums=0).lower(cache, rest, tokens).compile().as_text()
   copies = re.findall(rf"= f32\[{B},{K},{C},{IN // N}\]\{{[0-9,]*\}} copy\(", hlo)
+  copies += re.findall(rf"= s32\[{B},{C}\]\{{[0-9,]*\}} copy\(", hlo)  # The segment ids.
   assert not copies, f"{len(copies)} copies of the cache: {copies}"

@@ -4,6 +4,7 @@ boundary equals a fresh decode, and what cannot be honoured raises."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -246,3 +247,55 @@ def test_what_cannot_be_honoured_raises(monkeypatch):
                      "decoding"):
     unpacked(x[:, :1], decode=True, segment_ids=ids[:, :1])
   assert unpacked(x[:, :1], decode=True).shape == (B, 1, IN)  # Without ids it decodes.
+
+
+def _with_segment_ids(name: str, monkeypatch) -> None:
+  """Makes ``name``'s layer see a function that takes ``segment_ids`` but must never be
+  called with them (for what the layer does with the ids itself), and implied weights
+  (where it has them) that take none."""
+  spec = get_spec(name)
+
+  def packing_declared(*args, segment_ids=None, **kwargs):
+    assert segment_ids is None, "the function was called with segment_ids"
+    return spec.function(*args, **kwargs)
+
+  def unpacked_weights(query, key, *, is_causal=False, key_value_seq_lengths=None, **options):
+    return spec.weights(query, key, is_causal=is_causal,
+                        key_value_seq_lengths=key_value_seq_lengths, **options)
+
+  signature = inspect.signature(spec.function)
+  parameters = [p for p in signature.parameters.values() if p.name != "segment_ids"]
+  packing_declared.__signature__ = signature.replace(parameters=[
+      *parameters, inspect.Parameter("segment_ids", inspect.Parameter.KEYWORD_ONLY, default=None)])
+  monkeypatch.setattr(attention, "get_spec", lambda _: dataclasses.replace(
+      spec, function=packing_declared,
+      weights=None if spec.weights is None else unpacked_weights))
+
+
+@pytest.mark.parametrize("name", ["linear_elu", "gla", "gated_delta_net"])
+def test_a_recurrent_state_restarts_where_a_step_brings_a_new_id(name, monkeypatch):
+  """Single steps (the function is not called): the state restarts from the empty state at a
+  new id in each row, so the next document equals its fresh decode, while a row whose id
+  stays continues its state."""
+  _with_segment_ids(name, monkeypatch)
+  layer = _layer(name)
+  x = jax.random.normal(jax.random.key(6), (B, T, IN))
+  layer.init_cache((B, T, IN))
+  ids = jnp.asarray(DECODE_IDS)
+  got = jnp.concatenate([layer(x[:, t:t + 1], decode=True, segment_ids=ids[:, t:t + 1])
+                         for t in range(T)], 1)
+  layer.init_cache((B, T, IN))
+  plain = _decode_steps(layer, x)  # No ids: one document per row.
+  np.testing.assert_allclose(got[1], plain[1], atol=1e-6, rtol=1e-6)  # Row 1 never changes id.
+  np.testing.assert_allclose(got[0, :4], plain[0, :4], atol=1e-6, rtol=1e-6)
+  layer.init_cache((1, T, IN))
+  np.testing.assert_allclose(got[:1, 4:], _decode_steps(layer, x[:1, 4:]), **_tolerance(name))
+  assert not np.allclose(got[0, 4:], plain[0, 4:], atol=1e-3)
+
+
+def test_sowing_a_kernel_variants_weights_needs_ids_in_its_implied_weights(monkeypatch):
+  _with_segment_ids("linear_elu", monkeypatch)
+  layer = _layer("linear_elu")
+  with pytest.raises(ValueError, match="sow_weights: the weights attention='linear_elu' "
+                     "implies take no segment_ids"):
+    layer(jnp.ones((B, T, IN)), is_causal=True, sow_weights=True, segment_ids=jnp.asarray(IDS))

@@ -19,8 +19,9 @@ positions (``[B, C]``, a :class:`KVCache`) or of the last position decoded
 (``[B]``, a :class:`StateCache`). A decode call's positions carry their own ids
 (or, without them, continue the last position's); a KV cache reads only the
 keys of a query's own id, and a recurrent state restarts from the empty state
-where a position's id differs from the one before it, so a document decoded
-after another equals it decoded from a fresh cache.
+where a position's id differs from the one before it, so decoding a packed row
+equals the packed call.
+
 Letters: B batch, T query length, N query heads, K key/value heads, H head
 dim (keys and values), C a KV cache's capacity.
 """
