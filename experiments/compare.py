@@ -27,7 +27,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from absl import app
+from absl import app, flags
 from flax import nnx
 
 from experiments import common, data, train
@@ -91,6 +91,9 @@ def compare(base: train.Config, attentions: Sequence[str],
   configs = {}
   for entry in attentions:  # Every entry is checked before the first one trains.
     name = attention_name(entry)
+    cannot = train.cannot_pack(data.TASKS[base.task], name, base.context_parallel)
+    if base.pack and cannot is not None:
+      raise app.UsageError(f"--attentions entry {entry}: --pack: {cannot}; pass --nopack.")
     configs[entry] = dataclasses.replace(
         base, attention=name, attention_options=options.get(entry, options.get(name, {})),
         workdir=str(pathlib.Path(base.workdir) / entry))
@@ -159,6 +162,10 @@ def main(argv: Sequence[str]) -> None:
   entries = common.ATTENTIONS.value or list(DEFAULT_ATTENTIONS)
   options = entry_options(entries, common.OPTIONS_BY_ATTENTION.value)
   base = train.config_from_flags()
+  if flags.FLAGS["pack"].value is None:  # Packed where every entry can be: one data for all.
+    base = dataclasses.replace(base, pack=all(
+        train.cannot_pack(data.TASKS[base.task], attention_name(entry), base.context_parallel)
+        is None for entry in entries))
   train.quiet_orbax()
   with train.exit_status():
     rows = compare(base, entries, options)

@@ -4,6 +4,7 @@ parallelism, errors."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import io
@@ -367,6 +368,8 @@ def test_compare_checks_every_entry_before_training(tmp_path):
   base = _config(tmp_path, task="mqar", sample_length=0)
   with pytest.raises(app.UsageError, match="entry performer@x: .*num_feature"):
     compare.compare(base, ["softmax", "performer@x"], {"performer@x": {"num_feature": 4}})
+  with pytest.raises(app.UsageError, match="entry softmax: --pack: --task=mqar has no documents"):
+    compare.compare(dataclasses.replace(base, pack=True), ["softmax"], {})
   assert not any(tmp_path.iterdir())
 
 
