@@ -357,17 +357,18 @@ class MultiHeadAttention(nnx.Module):
     non-decreasing along the sequence, one per document laid end to end in a
     row; query t sees key j only where their ids are equal, together with
     ``is_causal``, the lengths, ``mask`` and a sparse pattern (which keeps the
-    row's positions), so one call equals each document run alone (for a pattern:
-    the row's pattern cut to each document). Cross-attention with ids on both sides takes the pair
-    ``(query_segment_ids [..., T], kv_segment_ids [..., S])``. A gated variant's
-    gates reset at each boundary inside its function. The variant's function must
-    take ``segment_ids``. Decoding takes the ids of the call's positions,
-    ``[..., T]`` for a prompt and ``[..., 1]`` for a step (omitted: they continue
-    the last decoded position's document): a position whose id differs from the
-    one before it starts a new document: the KV cache masks the keys of other ids
-    and a recurrent state restarts from the empty state, so decoding equals the
-    packed call (and a document decodes as from a fresh cache, but for a pattern's
-    positions); ``local``'s ring buffer holds no ids and refuses them.
+    row's positions), so one call equals each document run alone (for a
+    pattern: the row's pattern cut to each document). Cross-attention with ids
+    on both sides takes the pair ``(query_segment_ids [..., T], kv_segment_ids
+    [..., S])``. A gated variant's gates reset at each boundary inside its
+    function. The variant's function must take ``segment_ids``. Decoding takes
+    the ids of the call's positions, ``[..., T]`` for a prompt and ``[..., 1]``
+    for a step (omitted: they continue the last decoded position's document). A
+    position whose id differs from the one before it starts a new document: the
+    KV cache masks the keys of other ids and a recurrent state restarts from the
+    empty state, so decoding equals the packed call (and a document decodes as
+    from a fresh cache, but for a pattern's positions); ``local``'s ring buffer
+    holds no ids and refuses them.
 
     Returns:
       ``[..., T, out_features]``.
