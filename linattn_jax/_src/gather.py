@@ -253,8 +253,8 @@ def attend(
   ok = jnp.asarray(np.broadcast_to(ok, (P, R, Q, L)).reshape((1, K, G, R, Q, L)
                                                               if P == N else (1, 1, 1, R, Q, L)))
   if key_value_seq_lengths is not None:
-    lengths = jnp.reshape(key_value_seq_lengths, (B, 1, 1, 1))
-    in_len = k_pos.astype(lengths.dtype) < lengths  # [B, P, R, 1, L]
+    lengths = jnp.reshape(key_value_seq_lengths, (B, 1, 1, 1, 1))
+    in_len = k_pos[None].astype(lengths.dtype) < lengths  # [B, P, R, 1, L]
     ok = ok & in_len.reshape((B, K, G, R, 1, L) if P == N else (B, 1, 1, R, 1, L))
 
   s = jnp.where(ok, jnp.matmul(q, jnp.swapaxes(k, -1, -2)) * scale, -jnp.inf)

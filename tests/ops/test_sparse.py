@@ -158,11 +158,15 @@ def test_longformer_global_rows_see_everything():
 
 
 def test_block_sparse_per_head_layouts():
+  """With key lengths too: their mask meets the per-head key slots ``[B, N, R, 1, L]``."""
   q, k, v = make_qkv(SHAPE)
   rng = np.random.default_rng(0)
   layout = rng.random((SHAPE.N, 6, 6)) > 0.5
-  got = la.block_sparse_attention(q, k, v, layout=layout, block_size=4)
-  want = la.softmax_attention_reference(q, k, v, mask=masks.block_sparse(layout, 4, 21, 21)[None])
+  lengths = jnp.array([21, 13])
+  got = la.block_sparse_attention(q, k, v, layout=layout, block_size=4,
+                                  key_value_seq_lengths=lengths)
+  want = la.softmax_attention_reference(q, k, v, mask=masks.block_sparse(layout, 4, 21, 21)[None],
+                                        key_value_seq_lengths=lengths)
   assert_close(got, want, jnp.float32)
 
 
