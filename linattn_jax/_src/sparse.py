@@ -149,8 +149,7 @@ def _window_pass(T: int, S: int, Q: int, left: int, right: int) -> tuple[np.ndar
 
 
 @checks.compiled("window_size", "is_causal", "scale", "implementation", "block_size",
-                 "return_state",
-                 concrete_checks=_SEGMENT_ORDER)
+                 "return_state", concrete_checks=_SEGMENT_ORDER)
 def local_attention(
     query: ArrayLike,
     key: ArrayLike,
@@ -629,8 +628,7 @@ def _block_sparse_rows(S: int, *, layout: Any, block_size: int, num_heads: int) 
 
 
 @checks.compiled("window_size", "global_positions", "is_causal", "scale", "implementation",
-                 "block_size",
-                 concrete_checks=_SEGMENT_ORDER)
+                 "block_size", concrete_checks=_SEGMENT_ORDER)
 def longformer_attention(
     query: ArrayLike,
     key: ArrayLike,
@@ -722,8 +720,7 @@ def _longformer_rows(S: int, *, window_size: Any, global_positions: Sequence[int
 
 
 @checks.compiled("block_size", "num_window_blocks", "num_global_blocks", "num_random_blocks",
-                 "rng", "is_causal", "scale", "implementation",
-                 concrete_checks=_SEGMENT_ORDER)
+                 "rng", "is_causal", "scale", "implementation", concrete_checks=_SEGMENT_ORDER)
 def bigbird_attention(
     query: ArrayLike,
     key: ArrayLike,
