@@ -15,7 +15,9 @@ lists is checked here against the spec's oracle:
    summary of all; mismatched states raise ValueErrors naming the field;
 4. jit == eager, no retrace on a second call, vmap, unbatched inputs;
 5. dtype round trip for bfloat16 / float16, finite on stress inputs;
-6. ValueErrors for bad shapes, dtypes, lengths and options.
+6. ValueErrors for bad shapes, dtypes, lengths and options;
+9. packed sequences, for entries that take ``segment_ids``: one call equals each
+   segment run alone (a sparse pattern cut from the packed call's positions).
 
 An unsupported causal mode is not skipped: the suite checks that it raises.
 """
@@ -57,6 +59,7 @@ from _helpers import (
   unit_roundoff,
 )
 
+import linattn_jax as la
 from linattn_jax._src.registry import accepted
 
 CASES = spec_cases()
@@ -533,10 +536,33 @@ def _spans(ids):
   return [(ids[a], a, b) for a, b in zip(starts, starts[1:] + [len(ids)], strict=True)]
 
 
-def _one_segment_at_a_time(fast, is_causal, q_ids, kv_ids, lengths):
-  """``(q, k, v) -> out``: each segment's queries against its own keys in a call of their
-  own (keys past ``lengths`` masked there too), concatenated; a query whose segment has
-  no key is zeros."""
+def _alone(spec, fast, is_causal, T, S):
+  """``(q, k, v, rows, keys, lengths) -> out``: one segment's queries ``rows`` (a slice of
+  the call's T) against its keys ``keys`` (of S), in a call of their own.
+
+  Through ``fast`` itself, unless the variant's pattern is tied to positions (it has a
+  ``dense_mask``: strided's columns, block grids, global and random positions stay where
+  the packed call has them): then through the softmax oracle with the whole call's pattern
+  and causal mask, cut to the segment's rows and keys.
+  """
+  if spec.dense_mask is None:
+    return lambda q, k, v, rows, keys, lengths: _call(fast, q, k, v, is_causal, lengths)
+  pattern = np.asarray(spec.dense_mask(T, S, is_causal=is_causal,
+                                       **spec.what_options(suite_options(spec))))
+  if is_causal:
+    pattern = pattern & np.asarray(la.masks.causal(T, S))
+
+  def run(q, k, v, rows, keys, lengths):
+    mask = jnp.asarray(pattern[..., rows, keys])
+    return la.softmax_attention_reference(q, k, v, mask=mask if mask.ndim == 2 else mask[None],
+                                          key_value_seq_lengths=lengths)
+  return run
+
+
+def _one_segment_at_a_time(alone, q_ids, kv_ids, lengths):
+  """``(q, k, v) -> out``: each segment's queries against its own keys run ``alone`` (keys
+  past ``lengths`` masked there too), concatenated; a query whose segment has no key is
+  zeros."""
   def run(q, k, v):
     rows = []
     for b in range(q.shape[0]):
@@ -548,8 +574,8 @@ def _one_segment_at_a_time(fast, is_causal, q_ids, kv_ids, lengths):
           continue
         ka, kz = keys[i]
         n = np.clip(lengths[b] - ka, 0, kz - ka)[None]
-        parts.append(_call(fast, q[b:b + 1, a:z], k[b:b + 1, ka:kz], v[b:b + 1, ka:kz],
-                           is_causal, jnp.asarray(n, jnp.int32)))
+        parts.append(alone(q[b:b + 1, a:z], k[b:b + 1, ka:kz], v[b:b + 1, ka:kz],
+                           slice(a, z), slice(ka, kz), jnp.asarray(n, jnp.int32)))
       rows.append(jnp.concatenate(parts, axis=1))
     return jnp.concatenate(rows, axis=0)
   return run
@@ -577,16 +603,17 @@ def _separate_sensitivity(spec, is_causal, q, k, v, ids, lengths, ct):
   return zeros
 
 
-def _assert_packed_equals_separate(fast, is_causal, q, k, v, segment_ids, q_ids, kv_ids,
-                                   lengths, err_msg, spec=None):
+def _assert_packed_equals_separate(spec, fast, is_causal, q, k, v, segment_ids, q_ids, kv_ids,
+                                   lengths, err_msg):
   """Output and gradients of ``Σ ct·out`` of one packed call, jitted and eager, equal
-  those of the segments run one at a time (with ``spec``'s signed weights, within twice
-  the conditioning of each segment's gradients: both are float32 programs)."""
+  those of the segments run one at a time (see :func:`_alone`; with signed weights,
+  within twice the conditioning of each segment's gradients: both are float32 programs)."""
   def packed(q, k, v, segment_ids, lengths):
     return fast(q, k, v, is_causal=is_causal, key_value_seq_lengths=lengths,
                 segment_ids=segment_ids)
 
-  separate = _one_segment_at_a_time(fast, is_causal, q_ids, kv_ids, lengths)
+  alone = _alone(spec, fast, is_causal, q.shape[1], k.shape[1])
+  separate = _one_segment_at_a_time(alone, q_ids, kv_ids, lengths)
   want, want_vjp = jax.vjp(separate, q, k, v)
   ct = cotangent(want)
   eager = packed(q, k, v, segment_ids, lengths)
@@ -594,8 +621,7 @@ def _assert_packed_equals_separate(fast, is_causal, q, k, v, segment_ids, q_ids,
                          q, k, v)
   np.testing.assert_allclose(got, eager, rtol=1e-5, atol=1e-6, err_msg=err_msg)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=err_msg)
-  sensitivity = ([np.zeros(x.shape) for x in (q, k, v)] if spec is None else
-                 _separate_sensitivity(spec, is_causal, q, k, v, q_ids, lengths, ct))
+  sensitivity = _separate_sensitivity(spec, is_causal, q, k, v, q_ids, lengths, ct)
   gamma = 2 * CONDITIONING_FACTOR * unit_roundoff(jnp.float32)
   for g, w, s, name in zip(got_vjp(ct), want_vjp(ct), sensitivity, "qkv", strict=True):
     assert np.all(np.isfinite(g)), f"{err_msg}: d{name} not finite"
@@ -609,7 +635,8 @@ def _assert_packed_equals_separate(fast, is_causal, q, k, v, segment_ids, q_ids,
 def test_packed_call_equals_each_segment_run_alone(case, is_causal):
   """Segments of length 1, a row that is one segment, padding keys after the last
   segment, boundaries inside blocks: one call with ``segment_ids`` equals the segments
-  run one at a time, forward and gradient, jitted and eagerly."""
+  run one at a time, forward and gradient, jitted and eagerly (a sparse pattern keeps
+  the packed call's positions, see :func:`_alone`)."""
   spec, impl = case
   fast, _ = build(spec, impl)
   if not _check_or_expect_error(spec, impl, fast, *make_qkv(PACKED), is_causal):
@@ -620,15 +647,16 @@ def test_packed_call_equals_each_segment_run_alone(case, is_causal):
     with pytest.raises(ValueError, match="segment_ids needs is_causal=True"):
       fast(q, k, v, is_causal=False, segment_ids=ids)
     return
-  _assert_packed_equals_separate(fast, is_causal, q, k, v, ids, PACKED_IDS, PACKED_IDS,
-                                 PACKED_LENGTHS, f"{case.id} causal={is_causal}", spec)
+  _assert_packed_equals_separate(spec, fast, is_causal, q, k, v, ids, PACKED_IDS, PACKED_IDS,
+                                 PACKED_LENGTHS, f"{case.id} causal={is_causal}")
 
 
 @segment_case_param
 def test_packed_cross_attention_takes_the_pair_of_ids(case):
   """T != S: ``(query_segment_ids [B, T], kv_segment_ids [B, S])``; a query segment
   absent from the keys gives zeros. (Non-causal: the causal alignment is the whole
-  call's, not each segment's.)"""
+  call's, not each segment's; so is a window's, which :func:`_alone` cuts from the call's
+  pattern.)"""
   spec, impl = case
   fast, _ = build(spec, impl)
   shape = PACKED._replace(T=6)
@@ -639,7 +667,7 @@ def test_packed_cross_attention_takes_the_pair_of_ids(case):
     with pytest.raises(ValueError, match="segment_ids must be one array"):
       fast(q, k, v, is_causal=spec.supports(impl, True), segment_ids=pair)
     return
-  _assert_packed_equals_separate(fast, False, q, k, v, pair, q_ids, PACKED_IDS,
+  _assert_packed_equals_separate(spec, fast, False, q, k, v, pair, q_ids, PACKED_IDS,
                                  PACKED_LENGTHS, f"{case.id} pair")
 
 
