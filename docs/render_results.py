@@ -57,7 +57,8 @@ def _label(record: dict[str, Any]) -> str:
   if record["kind"] == "masked":
     return f"XLA softmax with `{record['variant']}`'s dense mask"
   impl = record["implementation"]
-  return f"`{record['variant']}`" + (f" / `{impl}`" if impl else "")
+  packed = ", packed" if record["kind"] == "packed" else ""
+  return f"`{record['variant']}`" + (f" / `{impl}`" if impl else "") + packed
 
 
 def _cells(records: Sequence[dict[str, Any]], lengths: Sequence[int],
@@ -74,7 +75,8 @@ def _time_cell(record: dict[str, Any]) -> str:
   if record["status"] != "ok":
     return "not run" if str(record["status"]).startswith("skipped") else "error"
   ratios = [_ratio(record[key]) + suffix for key, suffix in
-            (("ratio_vs_xla", ""), ("ratio_vs_masked_xla", " vs mask")) if key in record]
+            (("ratio_vs_xla", ""), ("ratio_vs_masked_xla", " vs mask"),
+             ("ratio_vs_unpacked", " vs unpacked")) if key in record]
   return _ms(record["median_s"]) + (f" ({'; '.join(ratios)})" if ratios else "")
 
 

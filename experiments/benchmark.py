@@ -13,6 +13,13 @@ Every length also runs, in the same process, ``jax.nn.dot_product_attention``
 can do. Records quote ``ratio_vs_xla`` (median time over the XLA median) and,
 for variants with a FLOP counter, the useful-FLOP rate and its ``fraction_of_matmul_rate``.
 
+With ``--segment_every=L``, every variant whose function takes ``segment_ids``
+is also timed packed, in the same run: ``segment_ids = arange(T) // L`` (a new
+sequence every L tokens). The packed call and the same call without ids are timed
+in turns (one call of each per round), so that a load that changes during the run
+weighs on both alike; the packed record quotes ``ratio_vs_unpacked``, the ratio of
+the two medians.
+
 Writes ``<output_dir>/benchmark.json`` (after every case, so an interrupted
 run keeps what it measured) and log-log plots ``time_<mode>.png`` and
 ``memory.png``.
@@ -20,6 +27,8 @@ run keeps what it measured) and log-log plots ``time_<mode>.png`` and
 Usage (from the repository root)::
 
   python -m experiments.benchmark --lengths=256,512,1024 --modes=forward,backward
+  python -m experiments.benchmark --variants=local --options='{"window_size": [256, 0]}' \
+      --lengths=8192 --modes=backward --segment_every=1000 --noxla_baseline
 """
 
 from __future__ import annotations
@@ -77,6 +86,14 @@ _MASKED_BASELINE = flags.DEFINE_bool(
     "with the equivalent dense mask.")
 _MATMUL_BASELINE = flags.DEFINE_bool(
     "matmul_baseline", True, "Time the batched-matmul baseline at every length.")
+_XLA_BASELINE = flags.DEFINE_bool(
+    "xla_baseline", True,
+    "Time jax.nn.dot_product_attention's XLA path at every length and mode (without it, no "
+    "ratio_vs_xla: e.g. for a packed/unpacked comparison at lengths where it takes minutes).")
+_SEGMENT_EVERY = flags.DEFINE_integer(
+    "segment_every", None,
+    "Also time each variant that takes segment_ids packed, with segment_ids = arange(T) // N "
+    "(a new sequence every N tokens), and quote its ratio to the unpacked call. Default: off.")
 
 # --help lists the shared flags (--heads, --output_dir, ...) with this script's own.
 flags.adopt_module_key_flags(common)
@@ -114,13 +131,16 @@ class Config:
   options: Mapping[str, Any]
   matmul_baseline: bool
   masked_baseline: bool = True
+  segment_every: int | None = None  # Packed cases: segment_ids = arange(T) // segment_every.
+  xla_baseline: bool = True
 
 
 class Case(NamedTuple):
-  """One measurement: ``kind`` is "attention", "xla", "masked" or "matmul".
+  """One measurement: ``kind`` is "attention", "packed", "xla", "masked" or "matmul".
 
   "masked" is softmax attention's XLA path with the dense twin of the sparse
-  variant ``variant``.
+  variant ``variant``; "packed" is the attention case called with
+  ``segment_ids = arange(T) // segment_every``.
   """
 
   kind: str
@@ -167,6 +187,8 @@ def config_from_flags() -> Config:
       options=_parse_options(_OPTIONS.value),
       matmul_baseline=_MATMUL_BASELINE.value,
       masked_baseline=_MASKED_BASELINE.value,
+      segment_every=_SEGMENT_EVERY.value,
+      xla_baseline=_XLA_BASELINE.value,
   )
   _validate(config)
   return config
@@ -202,6 +224,8 @@ def _validate(config: Config) -> None:
     raise app.UsageError("--kv_heads must divide --heads.")
   if config.repeats < 1 or config.warmup < 0 or min(config.lengths, default=0) < 1:
     raise app.UsageError("need --repeats >= 1, --warmup >= 0 and positive --lengths.")
+  if config.segment_every is not None and config.segment_every < 1:
+    raise app.UsageError(f"--segment_every must be positive; got {config.segment_every}.")
   offered = set()
   for name in config.variants:
     try:
@@ -240,6 +264,11 @@ def _supports(name: str, causal: bool) -> bool:
   return spec.supports_causal if causal else spec.supports_noncausal
 
 
+def takes_segment_ids(name: str) -> bool:
+  """Whether variant ``name``'s function takes packed ``segment_ids``."""
+  return "segment_ids" in inspect.signature(linattn_jax.get_spec(name).function).parameters
+
+
 def _streams(name: str) -> bool:
   """Whether variant ``name`` has a step function and returns its state after a pass."""
   streaming = linattn_jax.get_spec(name).streaming
@@ -262,11 +291,15 @@ def plan_cases(config: Config) -> list[Case]:
         cases.extend(Case("attention", name, impl, length, mode) for name, impl in attention
                      if _streams(name) and linattn_jax.get_spec(name).supports(impl, True))
         continue
-      cases.append(Case("xla", XLA_VARIANT, XLA_IMPLEMENTATION, length, mode))
+      if config.xla_baseline:
+        cases.append(Case("xla", XLA_VARIANT, XLA_IMPLEMENTATION, length, mode))
       masked = [name for name in dict.fromkeys(name for name, _ in attention)
                 if config.masked_baseline and linattn_jax.get_spec(name).dense_mask is not None]
       cases.extend(Case("masked", name, MASKED_IMPLEMENTATION, length, mode) for name in masked)
-      cases.extend(Case("attention", name, impl, length, mode) for name, impl in attention)
+      for name, impl in attention:
+        cases.append(Case("attention", name, impl, length, mode))
+        if config.segment_every is not None and takes_segment_ids(name):
+          cases.append(Case("packed", name, impl, length, mode))
   return cases
 
 
@@ -298,6 +331,8 @@ def attention_function(config: Config, case: Case) -> Callable[..., jax.Array]:
       options["implementation"] = case.implementation
     fn = linattn_jax.get_attention(case.variant, **options)
     names = [x.name for x in linattn_jax.get_spec(case.variant).token_inputs]
+    if case.kind == "packed":  # The ids arrive positionally after the value, then the gates.
+      names = ["segment_ids", *names]
     if names:  # Gates and betas arrive positionally after the value (see gate_inputs).
       fn = _with_named_inputs(fn, names)
   return functools.partial(fn, is_causal=config.causal)
@@ -307,6 +342,13 @@ def _with_named_inputs(fn: Callable[..., jax.Array], names: Sequence[str]) -> Ca
   def call(query, key, value, *inputs, **kwargs):
     return fn(query, key, value, **dict(zip(names, inputs, strict=True)), **kwargs)
   return call
+
+
+def packed_segment_ids(config: Config, length: int) -> jax.Array:
+  """``[B, T]`` int32 ``arange(T) // segment_every``: a new sequence every ``segment_every``
+  tokens."""
+  ids = jnp.arange(length, dtype=jnp.int32) // config.segment_every
+  return jnp.broadcast_to(ids, (config.batch, length))
 
 
 def gate_inputs(config: Config, case: Case, length: int) -> tuple[jax.Array, ...]:
@@ -352,6 +394,8 @@ def case_function(config: Config, case: Case, inputs: Inputs) -> tuple[Callable,
   extra = (functools.partial(dense_twin, config, case),) if case.kind == "masked" else ()
   if case.kind not in ("xla", "masked"):
     extra = gate_inputs(config, case, case.length)
+  if case.kind == "packed":
+    extra = (packed_segment_ids(config, case.length),) + extra
   if case.mode == "forward":
     return attention, qkv + extra
   return forward_backward(attention), qkv + (inputs.cotangent,) + extra
@@ -436,6 +480,8 @@ def case_flops(config: Config, case: Case) -> float | None:
   B, N, T = config.batch, config.heads, case.length
   if case.kind == "matmul":
     return 2.0 * B * N * T * config.head_dim * config.value_dim
+  if case.kind == "packed":  # The work a packed call skips is not counted against it.
+    return None
   counter = softmax_flops if case.kind in ("xla", "masked") else USEFUL_FLOPS.get(case.variant)
   if counter is None:
     return None
@@ -483,11 +529,31 @@ def time_executable(compiled: Any, args: Sequence[Any], *, warmup: int,
   return times
 
 
-def measure(fn: Callable, args: Sequence[Any], config: Config) -> dict[str, Any]:
+def time_in_turns(calls: Sequence[tuple[Any, Sequence[Any]]], *, warmup: int,
+                  repeats: int) -> list[list[float]]:
+  """Seconds of each of ``repeats`` calls of every ``(compiled, args)``, made in turns (one
+  call of each per round, after ``warmup`` untimed rounds): one list per executable."""
+  for _ in range(warmup):
+    for compiled, args in calls:
+      jax.block_until_ready(compiled(*args))
+  times: list[list[float]] = [[] for _ in calls]
+  for _ in range(repeats):
+    for (compiled, args), spent in zip(calls, times, strict=True):
+      start = time.perf_counter()
+      jax.block_until_ready(compiled(*args))
+      spent.append(time.perf_counter() - start)
+  return times
+
+
+def measure(fn: Callable, args: Sequence[Any], config: Config,
+            unpacked: tuple[Callable, Sequence[Any]] | None = None) -> dict[str, Any]:
   """Compiles ``fn``, records its memory, and times it unless it needs too much.
 
   An argument may be a zero-argument callable (a large array such as a dense
   mask): it is compiled from its shape and only built if the case runs.
+  ``unpacked``: for a packed case, the same call without segment ids and its
+  arguments, timed in turns with ``fn`` (:func:`time_in_turns`); the record then
+  also holds its times and ``ratio_vs_unpacked``.
   """
   abstract = [jax.eval_shape(a) if callable(a) else a for a in args]
   compiled, compile_s = compile_function(fn, abstract)
@@ -498,7 +564,15 @@ def measure(fn: Callable, args: Sequence[Any], config: Config) -> dict[str, Any]
     record["status"] = f"skipped: needs {needed / _GIB:.3g} GiB"
     return record
   concrete = [a() if callable(a) else a for a in args]
-  times = time_executable(compiled, concrete, warmup=config.warmup, repeats=config.repeats)
+  if unpacked is None:
+    times = time_executable(compiled, concrete, warmup=config.warmup, repeats=config.repeats)
+  else:
+    twin, _ = compile_function(*unpacked)
+    times, twin_times = time_in_turns([(compiled, concrete), (twin, unpacked[1])],
+                                      warmup=config.warmup, repeats=config.repeats)
+    twin_median = statistics.median(twin_times)
+    record.update(unpacked_times_s=twin_times, unpacked_median_s=twin_median,
+                  ratio_vs_unpacked=statistics.median(times) / twin_median)
   record.update(status="ok", times_s=times, median_s=statistics.median(times),
                 min_s=min(times))
   return record
@@ -511,7 +585,9 @@ def run_case(config: Config, case: Case, inputs: Inputs) -> dict[str, Any]:
     record["status"] = "skipped: dot_product_attention needs value_dim == head_dim"
     return record
   try:
-    record.update(measure(*case_function(config, case, inputs), config))
+    unpacked = (case_function(config, case._replace(kind="attention"), inputs)
+                if case.kind == "packed" else None)
+    record.update(measure(*case_function(config, case, inputs), config, unpacked))
   except Exception as e:  # One failed case (e.g. out of memory) must not end the sweep.
     first_line = next(iter(str(e).splitlines()), "")
     record["status"] = f"error: {type(e).__name__}: {first_line[:200]}"
@@ -528,7 +604,8 @@ def run_case(config: Config, case: Case, inputs: Inputs) -> dict[str, Any]:
 
 def add_ratios(record: dict[str, Any], earlier: Sequence[dict[str, Any]]) -> None:
   """Adds ``ratio_vs_xla``, ``ratio_vs_masked_xla``, ``memory_vs_masked_xla`` and
-  ``fraction_of_matmul_rate`` from same-length baselines."""
+  ``fraction_of_matmul_rate`` from same-length baselines (a packed case's
+  ``ratio_vs_unpacked`` comes from :func:`measure`)."""
   if record["kind"] == "matmul":
     return
   for base in earlier:
@@ -556,20 +633,22 @@ def add_ratios(record: dict[str, Any], earlier: Sequence[dict[str, Any]]) -> Non
 # ---------------------------------------------------------------- output ---
 
 _ROW_START = "{:>9} {:<10} {:<10} {:>6} {:<9}"
-_ROW_END = " {:>10} {:>7} {:>8} {:>9} {:>9}  {}"
+_ROW_END = " {:>10} {:>7} {:>8} {:>8} {:>9} {:>9}  {}"
 
 
 def print_header() -> None:
   """Prints the column titles of the progress table."""
   start = _ROW_START.format("case", "variant", "impl", "T", "mode")
-  end = _ROW_END.format("median_ms", "x_xla", "x_masked", "GFLOP/s", "temp_MiB", "status")
+  end = _ROW_END.format("median_ms", "x_xla", "x_masked", "x_unpack", "GFLOP/s", "temp_MiB",
+                        "status")
   print(start + end, flush=True)
 
 
 def print_row_start(index: int, total: int, case: Case) -> None:
   """Prints the case's name before it runs (the line ends when it finishes)."""
-  print(_ROW_START.format(f"[{index}/{total}]", case.variant, case.implementation or "-",
-                          case.length, case.mode), end="", flush=True)
+  impl = (case.implementation or "-") + ("+packed" if case.kind == "packed" else "")
+  print(_ROW_START.format(f"[{index}/{total}]", case.variant, impl, case.length, case.mode),
+        end="", flush=True)
 
 
 def print_row_end(record: dict[str, Any]) -> None:
@@ -579,6 +658,7 @@ def print_row_end(record: dict[str, Any]) -> None:
       _format(record.get("median_s"), 1e3, ".3f"),
       _format(record.get("ratio_vs_xla"), 1, ".2f"),
       _format(record.get("ratio_vs_masked_xla"), 1, ".3f"),
+      _format(record.get("ratio_vs_unpacked"), 1, ".3f"),
       _format(record.get("gflops"), 1, ".1f"),
       _format(temp, 1 / _MIB, ".1f"),
       record["status"],
@@ -607,7 +687,8 @@ def run_metadata(config: Config) -> dict[str, Any]:
 
 def _label(record: dict[str, Any]) -> str:
   impl = record["implementation"]
-  return record["variant"] if impl is None else f"{record['variant']}/{impl}"
+  label = record["variant"] if impl is None else f"{record['variant']}/{impl}"
+  return f"{label}+packed" if record["kind"] == "packed" else label
 
 
 def _series(records: Sequence[dict[str, Any]],

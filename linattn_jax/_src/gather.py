@@ -9,7 +9,8 @@ cost and memory follow the pattern (``T·L``), not ``T·S``::
     out[rows of group r] = softmax(Q_r · K[index_r]ᵀ · scale, masked) V[index_r]
 
 An element-level mask (the exact pattern inside the gathered blocks, the
-causal rule, padding slots, key lengths) is applied before the softmax, which
+causal rule, padding slots, key lengths and, for packed sequences, equal
+segment ids, read at the same gathered positions) is applied before the softmax, which
 is the single-block case of the online softmax: rows that see nothing return
 zeros. Gradients come from autodiff: what is saved is again ``O(T·L)``.
 
@@ -199,6 +200,22 @@ def read_positions(x: jax.Array, positions: np.ndarray, stride: int) -> jax.Arra
   return jnp.take(x, np.clip(positions, 0, x.shape[1] - 1), axis=1)
 
 
+def _same_segment(segment_ids: tuple[jax.Array, jax.Array], plan: Plan, Q: int,
+                  dims: checks.Dims) -> jax.Array:
+  """Whether each (row, gathered key) pair of ``plan`` lies in one packed segment:
+  ``[B, K, G, R, Q, L]`` for per-head keys (``P = N``), else ``[B, 1, 1, R, Q, L]``."""
+  B, _, S, N, K, _, _ = dims
+  P, R, L = plan.keys.shape
+  q_ids, kv_ids = segment_ids
+  row_ids = read_positions(q_ids, plan.rows, Q)  # [B, R, Q]
+  if P == 1:
+    key_ids = read_positions(kv_ids, plan.keys[0], Q)  # [B, R, L]
+    return (row_ids[..., None] == key_ids[:, :, None, :]).reshape(B, 1, 1, R, Q, L)
+  key_ids = jnp.take(kv_ids, np.clip(plan.keys, 0, S - 1), axis=1)  # [B, P, R, L]
+  same = row_ids[:, None, :, :, None] == key_ids[:, :, :, None, :]  # [B, N, R, Q, L]
+  return same.reshape(B, K, N // K, R, Q, L)
+
+
 def attend(
     query: jax.Array,
     key: jax.Array,
@@ -210,6 +227,7 @@ def attend(
     is_causal: bool,
     key_value_seq_lengths: jax.Array | None,
     pattern: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None,
+    segment_ids: tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
   """Attention of the plan's query rows over their gathered keys.
 
@@ -222,6 +240,10 @@ def attend(
     key_value_seq_lengths: optional ``[B]`` int32.
     pattern: optional static element rule ``pattern(q_pos, k_pos) -> bool``
       on broadcastable numpy positions, refining the gathered sets.
+    segment_ids: optional ``(query_ids [B, T], kv_ids [B, S])`` int32 (as
+      ``checks.check_segment_ids`` returns them): a row keeps only the gathered
+      keys whose id equals its own. The ids are read at the plan's rows and keys
+      as the queries and keys are, so the cost is ``B·R·Q·L`` comparisons.
 
   Returns:
     ``[B, R, Q, N, D]`` in the accumulation dtype; padding rows are zero.
@@ -253,9 +275,11 @@ def attend(
   ok = jnp.asarray(np.broadcast_to(ok, (P, R, Q, L)).reshape((1, K, G, R, Q, L)
                                                               if P == N else (1, 1, 1, R, Q, L)))
   if key_value_seq_lengths is not None:
-    lengths = jnp.reshape(key_value_seq_lengths, (B, 1, 1, 1))
-    in_len = k_pos.astype(lengths.dtype) < lengths  # [B, P, R, 1, L]
+    lengths = jnp.reshape(key_value_seq_lengths, (B, 1, 1, 1, 1))
+    in_len = k_pos[None].astype(lengths.dtype) < lengths  # [B, P, R, 1, L]
     ok = ok & in_len.reshape((B, K, G, R, 1, L) if P == N else (B, 1, 1, R, 1, L))
+  if segment_ids is not None:
+    ok = ok & _same_segment(segment_ids, plan, Q, dims)
 
   s = jnp.where(ok, jnp.matmul(q, jnp.swapaxes(k, -1, -2)) * scale, -jnp.inf)
   carry = init_softmax_carry((B, K, G, R, Q), D, acc)

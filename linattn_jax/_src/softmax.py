@@ -89,7 +89,7 @@ def softmax_attention(
       within ``left`` before and ``right`` after its position (an int is
       ``(w, w)``). Without ``bias``, ``mask`` or ``query_seq_lengths``, and
       with the bottom-right alignment, ``implementation=None`` runs it as
-      :func:`local_attention` in O(T·window).
+      :func:`local_attention` in O(T·window) (with ``segment_ids`` too).
     implementation: ``"reference"`` (float32 einsum oracle), ``"xla"``
       (``jax.nn.dot_product_attention``'s XLA path: fastest when the
       ``[B, N, T, S]`` scores fit in memory), ``"flash"`` (blockwise, O(T)
@@ -180,10 +180,10 @@ def softmax_attention(
   general = a.bias is not None or a.mask is not None or return_residual
   aligned = a.offset == S - T  # The bottom-right alignment every other path uses.
   if implementation is None and a.window is not None:
-    if not general and aligned and a.query_seq_lengths is None and a.segment_ids is None:
+    if not general and aligned and a.query_seq_lengths is None:
       return a.prepared.restore(local_attention(
           *a.prepared[:3], window_size=a.window, is_causal=a.is_causal, scale=a.scale,
-          key_value_seq_lengths=a.key_value_seq_lengths))
+          key_value_seq_lengths=a.key_value_seq_lengths, segment_ids=a.segment_ids))
     implementation = "xla"
   if implementation is None:
     faster = prefers_flash(B, N, T, S)

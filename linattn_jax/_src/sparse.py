@@ -13,6 +13,15 @@ Rows that reach global tokens (Longformer, BigBird) are computed in a second
 pass over all keys and written over the tiled result. Causal alignment for
 T != S is bottom-right (query i sits at key position ``i + S - T``).
 
+Packed sequences (``segment_ids``, as in ``softmax_attention``): query t sees key
+j only if the pattern allows (t, j) and both lie in one segment (and the causal
+rule and key lengths allow it). Patterns stay tied to the absolute positions of
+the packed call: a window is cut at a segment boundary, strided's summary
+columns, the block grids and the global and random positions stay where they
+are, and each is seen only from its own segment. Both implementations apply the
+rule: the oracle as one more dense mask, ``blocked`` on its gathered keys (the
+ids are read at the same positions), so packing adds a comparison per score.
+
 Letters: B batch, T query length, S key length, N query heads, K key/value
 heads, H query/key head dim, D value head dim.
 
@@ -46,6 +55,8 @@ IMPLEMENTATIONS: tuple[str, ...] = typing.get_args(SparseImplementation)
 DEFAULT_BLOCK_SIZE = 64
 
 PatternRule = Callable[[np.ndarray, np.ndarray], np.ndarray]
+# Decreasing ids are caught while they are concrete (an eager call), before tracing.
+_SEGMENT_ORDER = {"segment_ids": checks.check_segment_order}
 
 
 class _Pass(NamedTuple):
@@ -67,20 +78,22 @@ class _Pattern(NamedTuple):
 
 
 def _run(fn: str, query, key, value, *, implementation, is_causal, scale,
-         key_value_seq_lengths, pattern: Callable[[int, int], _Pattern]) -> jax.Array:
+         key_value_seq_lengths, segment_ids,
+         pattern: Callable[[int, int], _Pattern]) -> jax.Array:
   """Validates, builds the pattern for the static (T, S) and dispatches."""
   checks.check_choice(implementation, name="implementation",
                       choices=(None,) + IMPLEMENTATIONS, fn=fn)
   p = checks.prepare_qkv(query, key, value, fn=fn)
   kv_len = checks.check_lengths(
       p, fn=fn, key_value_seq_lengths=key_value_seq_lengths)["key_value_seq_lengths"]
+  segments = checks.check_segment_ids(segment_ids, p, fn=fn)
   B, T, S, N, H, D = p.dims.B, p.dims.T, p.dims.S, p.dims.N, p.dims.H, p.dims.D
   pat = pattern(T, S)
   if implementation == "reference":
     dense = jnp.asarray(pat.dense())
     out = softmax_attention_reference(
         p.query, p.key, p.value, mask=dense if dense.ndim == 2 else dense[None],
-        is_causal=is_causal, scale=scale, key_value_seq_lengths=kv_len)
+        is_causal=is_causal, scale=scale, key_value_seq_lengths=kv_len, segment_ids=segments)
     return p.restore(out)
   scale = checks.resolve_scale(scale, H)
   out = jnp.zeros((B, T, N, D), checks.accumulation_dtype(p.query.dtype))
@@ -88,7 +101,8 @@ def _run(fn: str, query, key, value, *, implementation, is_causal, scale,
     rows = ps.plan.rows.reshape(-1)
     keep = rows < T
     new = attend(p.query, p.key, p.value, ps.plan, dims=p.dims, scale=scale,
-                 is_causal=is_causal, key_value_seq_lengths=kv_len, pattern=ps.rule)
+                 is_causal=is_causal, key_value_seq_lengths=kv_len, pattern=ps.rule,
+                 segment_ids=segments)
     if np.array_equal(rows[:T], np.arange(T)) and not keep[T:].any():  # Rows in order.
       out = new.reshape(B, -1, N, D)[:, :T]
     else:
@@ -135,7 +149,7 @@ def _window_pass(T: int, S: int, Q: int, left: int, right: int) -> tuple[np.ndar
 
 
 @checks.compiled("window_size", "is_causal", "scale", "implementation", "block_size",
-                 "return_state")
+                 "return_state", concrete_checks=_SEGMENT_ORDER)
 def local_attention(
     query: ArrayLike,
     key: ArrayLike,
@@ -145,6 +159,7 @@ def local_attention(
     scale: float | None = None,
     is_causal: bool = False,
     key_value_seq_lengths: Any = None,
+    segment_ids: ArrayLike | tuple[ArrayLike, ArrayLike] | None = None,
     return_state: bool = False,
     implementation: SparseImplementation | None = None,
     block_size: int | None = None,
@@ -164,10 +179,18 @@ def local_attention(
     scale: logit scale, default ``1 / sqrt(H)``.
     is_causal: drop keys after the query (right side 0).
     key_value_seq_lengths: optional ``[B]`` ints; later keys are masked.
+    segment_ids: packed sequences, as in :func:`softmax_attention`: int ids that do not
+      decrease along the sequence, one array ``[B, T]`` (``[T]`` unbatched) when T == S,
+      else the pair ``(query_segment_ids [B, T], kv_segment_ids [B, S])``. Query i sees
+      key j only if j is in its window and ``q_ids[b, i] == kv_ids[b, j]``: a window
+      near a boundary is cut there and sees fewer keys (a query whose window holds no
+      key of its segment, possible with T != S, returns zeros). The window is relative
+      to the query, so with T == S one packed call equals each segment run alone.
+      Shapes and dtype are checked when traced, non-decreasing ids only eagerly.
     return_state: also return the :class:`LocalState` after the S keys (the
       last ``left + 1`` keys and values), from which
       :func:`local_attention_step` decodes on (causal only; every key counts,
-      so not with ``key_value_seq_lengths``).
+      so not with ``key_value_seq_lengths`` or ``segment_ids``).
     implementation: ``"blocked"`` (default) or ``"reference"``.
     block_size: query rows per gathered block; each block gathers
       ``block_size + left + right`` keys. Default: the window's width
@@ -179,8 +202,9 @@ def local_attention(
 
   Raises:
     ValueError: negative or malformed windows, bad block sizes, bad shapes,
-      dtypes or lengths, an unknown implementation,
-      ``return_state`` without ``is_causal`` or with ``key_value_seq_lengths``.
+      dtypes or lengths, malformed (or, eagerly, decreasing) ``segment_ids``, an
+      unknown implementation, ``return_state`` without ``is_causal`` or with
+      ``key_value_seq_lengths`` or ``segment_ids``.
 
   Examples:
     >>> x = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))  # [B, T, N, H]
@@ -189,6 +213,14 @@ def local_attention(
     (1, 8, 2, 4)
     >>> dense = la.softmax_attention(x, x, x, mask=masks.local(8, 8, (2, 1)))
     >>> bool(jnp.allclose(out, dense, atol=1e-5))
+    True
+
+    Two packed sequences of 3 and 5 tokens: the second one's windows stop at its start.
+
+    >>> ids = jnp.array([[0, 0, 0, 1, 1, 1, 1, 1]])
+    >>> packed = la.local_attention(x, x, x, window_size=(2, 1), segment_ids=ids)
+    >>> alone = la.local_attention(x[:, 3:], x[:, 3:], x[:, 3:], window_size=(2, 1))
+    >>> bool(jnp.allclose(packed[:, 3:], alone, atol=1e-5))
     True
 
   References:
@@ -201,6 +233,11 @@ def local_attention(
     raise ValueError(
         f"{fn}: return_state needs is_causal=True and no key_value_seq_lengths (the state is "
         "the decoding window after all S keys).")
+  if return_state and segment_ids is not None:
+    raise ValueError(
+        f"{fn}: return_state does not support segment_ids: the decoding window holds no "
+        "segment ids, so a step after a packed prefill would see the earlier segments' keys; "
+        "prefill the sequence to decode on alone.")
 
   def pattern(T: int, S: int) -> _Pattern:
     rows, keys = _window_pass(T, S, _window_block(block_size, T, left, right, fn), left, right)
@@ -209,7 +246,8 @@ def local_attention(
     return _Pattern(lambda: masks_lib.local(T, S, (left, right)), (_Pass(plan, rule),))
 
   out = _run(fn, query, key, value, implementation=implementation, is_causal=is_causal,
-             scale=scale, key_value_seq_lengths=key_value_seq_lengths, pattern=pattern)
+             scale=scale, key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids,
+             pattern=pattern)
   return (out, _window_state(key, value, left)) if return_state else out
 
 
@@ -364,7 +402,8 @@ def local_attention_step(state: LocalState, query: jax.Array, key: jax.Array, va
 # ------------------------------------------------------------- strided ---
 
 
-@checks.compiled("stride", "window_size", "is_causal", "scale", "implementation", "block_size")
+@checks.compiled("stride", "window_size", "is_causal", "scale", "implementation", "block_size",
+                 concrete_checks=_SEGMENT_ORDER)
 def strided_attention(
     query: ArrayLike,
     key: ArrayLike,
@@ -375,6 +414,7 @@ def strided_attention(
     scale: float | None = None,
     is_causal: bool = False,
     key_value_seq_lengths: Any = None,
+    segment_ids: ArrayLike | tuple[ArrayLike, ArrayLike] | None = None,
     implementation: SparseImplementation | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
 ) -> jax.Array:
@@ -390,6 +430,12 @@ def strided_attention(
     query: ``[B, T, N, H]``; key ``[B, S, K, H]``; value ``[B, S, K, D]``.
     stride: distance between summary columns, >= 1.
     window_size: optional int or ``(left, right)`` local window.
+    segment_ids: packed sequences (forms as in :func:`local_attention`): query i sees
+      key j only if the pattern above allows it and both lie in one segment. The
+      summary columns stay at the positions ``j % stride == 0`` of the packed call, so
+      a segment sees the columns that fall inside it, counted from the call's start,
+      not from its own (it equals the segment run alone only when it starts at a
+      multiple of ``stride``); a window is cut at the segment's boundary.
     (Others as :func:`local_attention`.)
 
   Returns:
@@ -397,8 +443,9 @@ def strided_attention(
 
   Raises:
     ValueError: for a ``stride`` or ``block_size`` that is not a positive
-      int, a negative or malformed window, bad shapes, dtypes or lengths, or
-      an unknown implementation.
+      int, a negative or malformed window, bad shapes, dtypes or lengths,
+      malformed (or, eagerly, decreasing) ``segment_ids``, or an unknown
+      implementation.
 
   Examples:
     >>> x = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))
@@ -431,7 +478,8 @@ def strided_attention(
     return _Pattern(lambda: masks_lib.strided(T, S, stride, window_size), (_Pass(plan, rule),))
 
   return _run(fn, query, key, value, implementation=implementation, is_causal=is_causal,
-              scale=scale, key_value_seq_lengths=key_value_seq_lengths, pattern=pattern)
+              scale=scale, key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids,
+              pattern=pattern)
 
 
 def _strided_rows(S: int, *, stride: int, window_size: Any) -> RowKeys:
@@ -477,7 +525,8 @@ def _check_layout(layout: Any, T: int, S: int, bs: int, fn: str) -> np.ndarray:
   return layout.astype(bool).reshape((-1,) + want)
 
 
-@checks.compiled("layout", "block_size", "is_causal", "scale", "implementation")
+@checks.compiled("layout", "block_size", "is_causal", "scale", "implementation",
+                 concrete_checks=_SEGMENT_ORDER)
 def block_sparse_attention(
     query: ArrayLike,
     key: ArrayLike,
@@ -488,6 +537,7 @@ def block_sparse_attention(
     scale: float | None = None,
     is_causal: bool = False,
     key_value_seq_lengths: Any = None,
+    segment_ids: ArrayLike | tuple[ArrayLike, ArrayLike] | None = None,
     implementation: SparseImplementation | None = None,
 ) -> jax.Array:
   """Softmax attention over the key blocks a static block layout selects.
@@ -506,6 +556,11 @@ def block_sparse_attention(
       ``(num_q_blocks, num_k_blocks) -> layout`` for length-generic patterns.
     block_size: block length ``bs`` on both axes; the last block may be
       partial (inputs are padded internally).
+    segment_ids: packed sequences (forms as in :func:`local_attention`): query i sees
+      key j only if ``layout`` selects their blocks and both lie in one segment. The
+      blocks stay on the grid of the packed call (block a is rows ``a·bs ..``
+      whatever the segments), so a block that a boundary crosses is split between its
+      segments, and a selected key block of another segment adds nothing.
     (Others as :func:`local_attention`.)
 
   Returns:
@@ -514,7 +569,8 @@ def block_sparse_attention(
   Raises:
     ValueError: for a ``block_size`` that is not a positive int, a traced
       layout, a layout of the wrong shape, a per-head layout whose first axis
-      is not N, bad shapes, dtypes or lengths, or an unknown implementation.
+      is not N, bad shapes, dtypes or lengths, malformed (or, eagerly,
+      decreasing) ``segment_ids``, or an unknown implementation.
 
   Examples:
     >>> x = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))
@@ -540,7 +596,8 @@ def block_sparse_attention(
 
   query_heads = np.shape(query)[-2]
   return _run(fn, query, key, value, implementation=implementation, is_causal=is_causal,
-              scale=scale, key_value_seq_lengths=key_value_seq_lengths, pattern=pattern)
+              scale=scale, key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids,
+              pattern=pattern)
 
 
 def _head_layout(layout: Any, T: int, S: int, bs: int, N: int, fn: str) -> np.ndarray:
@@ -571,7 +628,7 @@ def _block_sparse_rows(S: int, *, layout: Any, block_size: int, num_heads: int) 
 
 
 @checks.compiled("window_size", "global_positions", "is_causal", "scale", "implementation",
-                 "block_size")
+                 "block_size", concrete_checks=_SEGMENT_ORDER)
 def longformer_attention(
     query: ArrayLike,
     key: ArrayLike,
@@ -582,6 +639,7 @@ def longformer_attention(
     scale: float | None = None,
     is_causal: bool = False,
     key_value_seq_lengths: Any = None,
+    segment_ids: ArrayLike | tuple[ArrayLike, ArrayLike] | None = None,
     implementation: SparseImplementation | None = None,
     block_size: int | None = None,
 ) -> jax.Array:
@@ -597,6 +655,12 @@ def longformer_attention(
     query: ``[B, T, N, H]``; key ``[B, S, K, H]``; value ``[B, S, K, D]``.
     window_size: int or ``(left, right)``.
     global_positions: static key positions of the global tokens.
+    segment_ids: packed sequences (forms as in :func:`local_attention`): query i sees
+      key j only if the pattern above allows it and both lie in one segment. Global
+      positions are positions of the packed call: a global token's query sees every
+      key of its own segment (not the whole call), a global key is seen by the
+      queries of its segment only, and a segment holding no global position has
+      only its windows (cut at its boundaries).
     (Others as :func:`local_attention`.)
 
   Returns:
@@ -605,7 +669,8 @@ def longformer_attention(
   Raises:
     ValueError: for a negative or malformed window, global positions that are
       not ints in ``[0, S)``, a ``block_size`` that is not a positive int, bad
-      shapes, dtypes or lengths, or an unknown implementation.
+      shapes, dtypes or lengths, malformed (or, eagerly, decreasing)
+      ``segment_ids``, or an unknown implementation.
 
   Examples:
     >>> x = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))
@@ -636,7 +701,8 @@ def longformer_attention(
     return _Pattern(dense, passes)
 
   return _run(fn, query, key, value, implementation=implementation, is_causal=is_causal,
-              scale=scale, key_value_seq_lengths=key_value_seq_lengths, pattern=pattern)
+              scale=scale, key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids,
+              pattern=pattern)
 
 
 def _longformer_rows(S: int, *, window_size: Any, global_positions: Sequence[int]) -> RowKeys:
@@ -654,7 +720,7 @@ def _longformer_rows(S: int, *, window_size: Any, global_positions: Sequence[int
 
 
 @checks.compiled("block_size", "num_window_blocks", "num_global_blocks", "num_random_blocks",
-                 "rng", "is_causal", "scale", "implementation")
+                 "rng", "is_causal", "scale", "implementation", concrete_checks=_SEGMENT_ORDER)
 def bigbird_attention(
     query: ArrayLike,
     key: ArrayLike,
@@ -668,6 +734,7 @@ def bigbird_attention(
     scale: float | None = None,
     is_causal: bool = False,
     key_value_seq_lengths: Any = None,
+    segment_ids: ArrayLike | tuple[ArrayLike, ArrayLike] | None = None,
     implementation: SparseImplementation | None = None,
 ) -> jax.Array:
   """BigBird attention: global, sliding-window and random key blocks.
@@ -694,6 +761,14 @@ def bigbird_attention(
     rng: an int seed or a concrete ``jax.random`` key; the pattern is built
       at trace time (it decides which blocks are gathered), so it must be
       static: the same rng gives the same pattern.
+    segment_ids: packed sequences (forms as in :func:`local_attention`): query i sees
+      key j only if the block pattern above allows it and both lie in one segment.
+      The grid, the global blocks (the first ``num_global_blocks`` of the packed
+      call) and the random draws are those of the packed call: a global block is
+      global within the segments it holds (its queries see their own segment's keys;
+      other segments do not see it), a window or random block counts only where it
+      overlaps the query's segment, and a segment then sees fewer keys than it would
+      alone.
     (Others as :func:`local_attention`.)
 
   Returns:
@@ -702,8 +777,8 @@ def bigbird_attention(
   Raises:
     ValueError: for a ``block_size`` that is not a positive int, a block
       count that is not a non-negative int, an ``rng`` that is traced or not
-      a seed or key, bad shapes, dtypes or lengths, or an unknown
-      implementation.
+      a seed or key, bad shapes, dtypes or lengths, malformed (or, eagerly,
+      decreasing) ``segment_ids``, or an unknown implementation.
 
   Examples:
     >>> x = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))
@@ -739,7 +814,8 @@ def bigbird_attention(
 
   return _run(fn, query, key, value, implementation=implementation,
               is_causal=is_causal, scale=scale,
-              key_value_seq_lengths=key_value_seq_lengths, pattern=pattern)
+              key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids,
+              pattern=pattern)
 
 
 def _bigbird_rows(S: int, *, block_size: int, num_window_blocks: int, num_global_blocks: int,

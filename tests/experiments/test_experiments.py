@@ -56,6 +56,27 @@ def test_benchmark_times_sparse_variants_against_their_masked_dense_twin(tmp_pat
     assert case["ratio_vs_masked_xla"] > 0 and case["memory_vs_masked_xla"] > 0
 
 
+def test_benchmark_times_packed_calls_against_the_unpacked_ones(tmp_path):
+  """``segment_every``: each variant that takes segment_ids runs packed too, after its
+  unpacked case, timed in turns with the unpacked call for its ratio."""
+  config = benchmark.Config(
+      variants=("local",), implementations=("blocked",), lengths=(48,),
+      batch=2, heads=2, kv_heads=2, head_dim=8, value_dim=8, dtype="float32", causal=True,
+      modes=("backward",), repeats=1, warmup=0, output_dir=str(tmp_path), plot=False,
+      max_memory_fraction=0.7, options={"window_size": [8, 0], "block_size": 8},
+      matmul_baseline=False, masked_baseline=False, segment_every=10, xla_baseline=False)
+  cases = benchmark.run_benchmark(config)["cases"]
+  assert [c["kind"] for c in cases] == ["attention", "packed"]
+  assert all(c["status"] == "ok" for c in cases), [c["status"] for c in cases]
+  local = {c["kind"]: c for c in cases}
+  packed = local["packed"]
+  assert len(packed["unpacked_times_s"]) == len(packed["times_s"]) == 1
+  assert packed["ratio_vs_unpacked"] == pytest.approx(
+      packed["median_s"] / packed["unpacked_median_s"])
+  ids = benchmark.packed_segment_ids(config, 25)
+  assert ids.shape == (2, 25) and ids[0, 9] == 0 and ids[1, 10] == 1 and ids[0, 24] == 2
+
+
 def test_benchmark_times_a_decode_step_after_prefill(tmp_path):
   config = benchmark.Config(
       variants=("efficient",), implementations=("chunked",), lengths=(16, 32), batch=1, heads=2,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 
 import jax
@@ -261,17 +262,25 @@ def test_local_window_size_matches_jax_nn_top_left(window, causal, T, S):
 
 @pytest.mark.parametrize("T, S", [(7, 7), (5, 9)])
 def test_local_window_size_bottom_right_is_the_local_mask(T, S):
-  """The default alignment: the window of masks.local; implementation=None runs local_attention."""
+  """The default alignment: the window of masks.local; implementation=None runs local_attention
+  (packed sequences too)."""
   q, k, v = make_qkv(Shape(B=2, T=T, S=S, N=4, K=2, H=8, D=8))
   lengths = jnp.array([S, S - 2], jnp.int32)
-  for causal in (False, True):
+  ids = tuple(jnp.asarray(np.arange(n)[None].repeat(2, 0) // 3, jnp.int32) for n in (T, S))
+  for causal, segment_ids in itertools.product((False, True), (None, ids)):
     want = la.softmax_attention_reference(
         q, k, v, mask=la.masks.local(T, S, (2, 1))[None, None], is_causal=causal,
-        key_value_seq_lengths=lengths)
+        key_value_seq_lengths=lengths, segment_ids=segment_ids)
     for implementation in ("xla", None):
       got = la.softmax_attention(q, k, v, local_window_size=(2, 1), is_causal=causal,
-                                 key_value_seq_lengths=lengths, implementation=implementation)
+                                 key_value_seq_lengths=lengths, implementation=implementation,
+                                 segment_ids=segment_ids)
       np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+  q, k, v = make_qkv(Shape(B=2, T=256, S=256, N=4, K=2, H=8, D=8))
+  ids = jnp.arange(256)[None].repeat(2, 0) // 100
+  packed = jax.make_jaxpr(functools.partial(la.softmax_attention, local_window_size=(2, 1),
+                                            segment_ids=ids))(q, k, v)
+  assert largest_intermediate(packed.jaxpr) < 2 * 4 * 256 * 256, "[B, N, T, S]: not local's path"
   with pytest.raises(ValueError, match="local_window_size must be a non-negative int"):
     la.softmax_attention(q, k, v, local_window_size=(-1, 2))
   with pytest.raises(ValueError, match="'flash' does not support `local_window_size`"):

@@ -41,6 +41,65 @@ CASES = {
 }
 
 
+# Packed segments of SHAPE's 21 positions: 0-4, 5-8, 9-15, 16-20. Longformer's global
+# positions 0, 7 and 20 lie in three of them; BigBird's global block (0-2) in the first.
+SEGMENTS = np.repeat(np.array([[0, 1, 2, 3], [4, 4, 5, 6]]),
+                     np.array([5, 4, 7, 5]), axis=1).astype(np.int32)
+SEGMENTS[1] = np.repeat([4, 5, 6], [9, 9, 3])
+
+
+def _gradients(fn):
+  """``(q, k, v, ct) -> (dq, dk, dv)``: the pullback of ``fn``, compiled once."""
+  return jax.jit(lambda q, k, v, ct: jax.vjp(fn, q, k, v)[1](ct))
+
+
+@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_nothing_crosses_a_segment_boundary(name, causal):
+  """The outputs of one segment's rows have exactly zero gradient with respect to every
+  other segment's queries, keys and values: windows, summary columns, blocks, global
+  positions (a global row sees only its own segment; a global key is seen only from its
+  segment) and random blocks included. Unpacked, the same pattern does cross."""
+  fn, options, _ = CASES[name]
+  q, k, v = make_qkv(SHAPE)
+  ids = jnp.asarray(SEGMENTS)
+  packed = _gradients(functools.partial(fn, is_causal=causal, segment_ids=ids, **options))
+  whole = _gradients(functools.partial(fn, is_causal=causal, **options))
+  ct = jnp.asarray(np.random.default_rng(1).standard_normal(q.shape[:3] + v.shape[3:]),
+                   jnp.float32)
+  crossed = False
+  for segment in np.unique(SEGMENTS):
+    other = (SEGMENTS != segment)[:, :, None, None]
+    ct_rows = jnp.where(jnp.asarray(~other), ct, 0)  # The segment's outputs only.
+    for g in packed(q, k, v, ct_rows):
+      assert np.all(np.isfinite(g))
+      np.testing.assert_array_equal(np.where(other, g, 0), 0, err_msg=f"segment {segment}")
+    crossed |= any(np.any(np.where(other, g, 0) != 0) for g in whole(q, k, v, ct_rows))
+  assert crossed, "the unpacked pattern never crosses these boundaries: the test is vacuous"
+
+
+def test_packed_global_rows_and_random_blocks_stay_in_their_segment():
+  """Longformer's global token at 7 sees exactly its segment (5-8), as softmax over it
+  would; BigBird's global rows (block 0, in segment 0) likewise."""
+  q, k, v = make_qkv(SHAPE)
+  ids = jnp.asarray(SEGMENTS)
+  _, options, _ = CASES["longformer"]
+  out = la.longformer_attention(q, k, v, segment_ids=ids, **options)
+  own = la.softmax_attention_reference(q[:1, 5:9], k[:1, 5:9], v[:1, 5:9])
+  assert_close(out[:1, 7], own[:, 2], jnp.float32)
+  _, options, _ = CASES["bigbird"]
+  out = la.bigbird_attention(q, k, v, segment_ids=ids, **options)
+  own = la.softmax_attention_reference(q[:1, :5], k[:1, :5], v[:1, :5])
+  assert_close(out[:1, :3], own[:, :3], jnp.float32)
+
+
+def test_local_return_state_refuses_segment_ids():
+  q, k, v = make_qkv(SHAPE)
+  with pytest.raises(ValueError, match="return_state does not support segment_ids"):
+    la.local_attention(q, k, v, window_size=(3, 0), is_causal=True, return_state=True,
+                       segment_ids=jnp.asarray(SEGMENTS))
+
+
 @pytest.mark.parametrize("name", CASES)
 @pytest.mark.parametrize("causal", [False, True])
 def test_blocked_equals_softmax_with_the_dense_twin(name, causal):
@@ -55,13 +114,18 @@ def test_blocked_equals_softmax_with_the_dense_twin(name, causal):
   assert_close(got, want, jnp.float32)
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["one", "packed"])
 @pytest.mark.parametrize("T", [512, 2048])
-def test_local_cost_follows_the_window_not_t_squared(T):
+def test_local_cost_follows_the_window_not_t_squared(T, packed):
+  """Packed sequences too: the segment rule is applied to the gathered keys, not as a
+  ``[T, S]`` mask."""
   shape = Shape(B=1, T=T, S=T, N=2, K=1, H=4, D=4)
   q, k, v = make_qkv(shape)
+  ids = jnp.arange(T)[None] // 100 if packed else None
 
   def loss(q, k, v):
-    out = la.local_attention(q, k, v, window_size=(16, 0), is_causal=True, block_size=16)
+    out = la.local_attention(q, k, v, window_size=(16, 0), is_causal=True, block_size=16,
+                             segment_ids=ids)
     return jnp.sum(out ** 2)
 
   jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v).jaxpr
@@ -114,11 +178,14 @@ def test_the_default_query_block_is_the_window_within_64_and_256(left, Q):
     assert f"{R},{Q},{L + extra}]" in jaxpr, (f, R, Q, L + extra)
 
 
-def test_local_attention_reads_its_windows_without_gather_or_scatter():
+@pytest.mark.parametrize("packed", [False, True], ids=["one", "packed"])
+def test_local_attention_reads_its_windows_without_gather_or_scatter(packed):
   """Forward and backward: slices and pads, which run far faster on CPU than a gather and
-  its transpose, a scatter-add."""
+  its transpose, a scatter-add; packed segment ids are read the same way."""
   q, k, v = make_qkv(SHAPE)
-  f = functools.partial(la.local_attention, window_size=(4, 1), block_size=8, is_causal=True)
+  ids = jnp.asarray(SEGMENTS) if packed else None
+  f = functools.partial(la.local_attention, window_size=(4, 1), block_size=8, is_causal=True,
+                        segment_ids=ids)
   jaxpr = str(jax.make_jaxpr(jax.grad(lambda *x: jnp.sum(f(*x)), argnums=(0, 1, 2)))(q, k, v))
   assert "gather" not in jaxpr and "scatter" not in jaxpr
 
@@ -158,11 +225,15 @@ def test_longformer_global_rows_see_everything():
 
 
 def test_block_sparse_per_head_layouts():
+  """With key lengths too: their mask meets the per-head key slots ``[B, N, R, 1, L]``."""
   q, k, v = make_qkv(SHAPE)
   rng = np.random.default_rng(0)
   layout = rng.random((SHAPE.N, 6, 6)) > 0.5
-  got = la.block_sparse_attention(q, k, v, layout=layout, block_size=4)
-  want = la.softmax_attention_reference(q, k, v, mask=masks.block_sparse(layout, 4, 21, 21)[None])
+  lengths = jnp.array([21, 13])
+  got = la.block_sparse_attention(q, k, v, layout=layout, block_size=4,
+                                  key_value_seq_lengths=lengths)
+  want = la.softmax_attention_reference(q, k, v, mask=masks.block_sparse(layout, 4, 21, 21)[None],
+                                        key_value_seq_lengths=lengths)
   assert_close(got, want, jnp.float32)
 
 
