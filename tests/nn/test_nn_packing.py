@@ -120,10 +120,12 @@ def test_segment_ids_with_a_mask_and_lengths_are_all_honoured():
                              layer(x, is_causal=True, segment_ids=ids), atol=1e-6, rtol=1e-6)
 
 
-# A prompt, a step, a chunk across the boundary (positions 4..6), then steps: every path.
+# A prompt, a step, a chunk (positions 4..6), steps, a chunk: every path.
 PIECES = (3, 1, 3, 1, 1, 2)
-# One row of two documents, 4 and 7 positions; the second row one document throughout.
-DECODE_IDS = np.array([[0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1], [2] * T], np.int32)
+# Row 0: documents of 4 and 7 positions, the second starting a chunk; row 1: of 7 and 4,
+# the second starting at a single step (position 7).
+DECODE_IDS = np.array([[0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1],
+                       [2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3]], np.int32)
 
 
 @nnx.jit
@@ -152,13 +154,15 @@ def test_decoding_across_a_boundary_equals_a_fresh_decode_of_the_next_document(n
   full = layer(x, is_causal=True, segment_ids=jnp.asarray(DECODE_IDS))
   np.testing.assert_allclose(got, full, err_msg=name, **tolerance)
   if name not in PATTERNS:
-    layer.init_cache((1, T + 1, IN))
-    fresh = _decode_steps(layer, x[:1, 4:])
-    np.testing.assert_allclose(got[:1, 4:], fresh, err_msg=name, **tolerance)
+    for row, start in ((0, 4), (1, 7)):
+      layer.init_cache((1, T + 1, IN))
+      fresh = _decode_steps(layer, x[row:row + 1, start:])
+      np.testing.assert_allclose(got[row:row + 1, start:], fresh, err_msg=f"{name} row {row}",
+                                 **tolerance)
   # Positions without ids continue the last decoded one's document.
   layer.init_cache((B, T + 1, IN))
-  first = layer(x[:, :6], decode=True, segment_ids=jnp.asarray(DECODE_IDS[:, :6]))
-  rest = _decode_steps(layer, x[:, 6:])
+  first = layer(x[:, :8], decode=True, segment_ids=jnp.asarray(DECODE_IDS[:, :8]))
+  rest = _decode_steps(layer, x[:, 8:])
   np.testing.assert_allclose(jnp.concatenate([first, rest], 1), got, err_msg=name, **tolerance)
   assert np.array_equal(_last_ids(layer.cache.get_value()), DECODE_IDS[:, -1])
 
@@ -251,8 +255,8 @@ def test_what_cannot_be_honoured_raises(monkeypatch):
 
 def _with_segment_ids(name: str, monkeypatch) -> None:
   """Makes ``name``'s layer see a function that takes ``segment_ids`` but must never be
-  called with them (for what the layer does with the ids itself), and implied weights
-  (where it has them) that take none."""
+  called with them (for what the layer checks before a call), and implied weights (where
+  it has them) that take none."""
   spec = get_spec(name)
 
   def packing_declared(*args, segment_ids=None, **kwargs):
@@ -270,27 +274,6 @@ def _with_segment_ids(name: str, monkeypatch) -> None:
   monkeypatch.setattr(attention, "get_spec", lambda _: dataclasses.replace(
       spec, function=packing_declared,
       weights=None if spec.weights is None else unpacked_weights))
-
-
-@pytest.mark.parametrize("name", ["linear_elu", "gla", "gated_delta_net"])
-def test_a_recurrent_state_restarts_where_a_step_brings_a_new_id(name, monkeypatch):
-  """Single steps (the function is not called): the state restarts from the empty state at a
-  new id in each row, so the next document equals its fresh decode, while a row whose id
-  stays continues its state."""
-  _with_segment_ids(name, monkeypatch)
-  layer = _layer(name)
-  x = jax.random.normal(jax.random.key(6), (B, T, IN))
-  layer.init_cache((B, T, IN))
-  ids = jnp.asarray(DECODE_IDS)
-  got = jnp.concatenate([layer(x[:, t:t + 1], decode=True, segment_ids=ids[:, t:t + 1])
-                         for t in range(T)], 1)
-  layer.init_cache((B, T, IN))
-  plain = _decode_steps(layer, x)  # No ids: one document per row.
-  np.testing.assert_allclose(got[1], plain[1], atol=1e-6, rtol=1e-6)  # Row 1 never changes id.
-  np.testing.assert_allclose(got[0, :4], plain[0, :4], atol=1e-6, rtol=1e-6)
-  layer.init_cache((1, T, IN))
-  np.testing.assert_allclose(got[:1, 4:], _decode_steps(layer, x[:1, 4:]), **_tolerance(name))
-  assert not np.allclose(got[0, 4:], plain[0, 4:], atol=1e-3)
 
 
 def test_sowing_a_kernel_variants_weights_needs_ids_in_its_implied_weights(monkeypatch):
