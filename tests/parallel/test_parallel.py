@@ -132,6 +132,46 @@ def test_ring_attention_matches_the_oracle(is_causal, load_balance):
   np.testing.assert_array_equal(got[1], 0)  # No keys: zeros, not NaN.
 
 
+# Packed sequences over the 8 devices (contiguous: 5 tokens each; zig-zag: chunks of 3).
+# Row 0: segments of 3, 9, 1, 12, 7 and 5 tokens, one starting at a device's first token
+# (25), the last wholly past the key length 30, so its rows see no key. Row 1: 15, 6 and
+# 16 tokens, one starting at a device's first token (15) where row 0 has none.
+PACKED = Shape(B=2, T=37, S=37, N=4, K=2, H=8, D=6)
+PACKED_LENGTHS = (30, 37)
+PACKED_IDS = np.stack([np.repeat(np.arange(6), [3, 9, 1, 12, 7, 5]),
+                       np.repeat(np.arange(3), [15, 6, 16])]).astype(np.int32)
+
+
+@pytest.mark.parametrize("is_causal", [True, False], ids=["causal", "noncausal"])
+def test_ring_attention_with_segment_ids_equals_one_device(is_causal):
+  """Segments crossing devices, whole ring steps of other segments (skipped), rows with
+  no key: softmax_attention(segment_ids=...) on one device, output and gradients. Causal
+  runs in zig-zag order, so the ids are reordered with the keys."""
+  q, k, v = make_qkv(PACKED)
+  ids, lengths = jnp.asarray(PACKED_IDS), jnp.asarray(PACKED_LENGTHS, jnp.int32)
+  ct = cotangent(jnp.zeros((PACKED.B, PACKED.T, PACKED.N, PACKED.D)))
+  options = dict(is_causal=is_causal, key_value_seq_lengths=lengths, segment_ids=ids)
+  got = _value_and_grads(lambda q, k, v: parallel.ring_attention(
+      q, k, v, mesh=mesh(), axis_name="seq", block_q=2, block_k=3, **options), q, k, v, ct)
+  want = _value_and_grads(lambda q, k, v: la.softmax_attention(q, k, v, **options), q, k, v, ct)
+  chex.assert_trees_all_close(got, want, atol=2e-5, rtol=2e-5)
+  np.testing.assert_array_equal(got[0][0, 32:], 0)  # No key: zeros, not NaN.
+
+
+def test_bad_segment_ids_name_the_argument_and_shapes():
+  q, k, v = make_qkv(PACKED)
+  ids = jnp.asarray(PACKED_IDS)
+  ring = functools.partial(parallel.ring_attention, q, k, v, mesh=mesh(), axis_name="seq")
+  with pytest.raises(ValueError, match=r"ring_attention: segment_ids must have shape "
+                     r"\[B, T\] = \(2, 37\); got \(2, 36\)"):
+    ring(segment_ids=ids[:, 1:])
+  with pytest.raises(ValueError, match=r"segment_ids must be integers; got float32 of shape "
+                     r"\(2, 37\)"):
+    ring(segment_ids=ids.astype(jnp.float32))
+  with pytest.raises(ValueError, match=r"segment_ids must not decrease.*\(2, 37\)"):
+    ring(segment_ids=ids[:, ::-1])
+
+
 def test_replicated_arrays_get_summed_gradients():
   """A learned feature map's weights reach every device; their gradient sums all devices."""
   spec = la.get_spec("linear_learned")
