@@ -22,7 +22,11 @@ are split along T with the keys. The device then runs the variant's own
 causal pass over its tokens from that prefix (``initial_state``).
 Non-causal attention reads the state of all keys: the last device's
 inclusive prefix, broadcast with a ``psum``, read by a causal pass with the
-local keys hidden (they are in it already).
+local keys hidden (they are in it already). Packed sequences (causal,
+``segment_ids``): a summary of a span holding a boundary means "start afresh,
+then these keys", so ``combine`` composes across boundaries; a boundary at a
+device's first token travels beside the summary as a flag per row (a
+segmented scan), and that device starts its own pass from the empty state.
 
 **Exact softmax** (:func:`ring_attention`). Keys and values travel around
 the ring (``ppermute`` to device ``i + 1``) in P - 1 steps; each step's
@@ -134,9 +138,10 @@ def _sharded(local: Any, p: checks.Prepared, lengths: jax.Array, replicated: Any
   zig-zag order: each device's block is reordered to it by :func:`_reorder`,
   and the output back); ``per_token`` (a pytree of ``[B, T, ...]`` arrays)
   is split and padded with the keys, ``replicated`` goes to every device
-  whole. ``segment_ids`` (None or ``(query_ids, kv_ids)``, ``[B, T]`` each) are
-  split and reordered like the keys but padded with their last id, so that
-  they keep not decreasing (the padding is hidden by ``lengths`` anyway).
+  whole. ``segment_ids`` (a pytree of ``[B, T]`` ints: None, one array or the
+  pair ``(query_ids, kv_ids)``) are split and reordered like the keys but
+  padded with their last id, so that they keep not decreasing (the padding is
+  hidden by ``lengths`` anyway).
   ``shard_map`` is manual over ``axis_name`` only: other
   mesh axes stay automatic, so a batch sharded over them stays so. On a mesh
   whose axes are Explicit, this runs under ``jax.sharding.auto_axes``, and
@@ -237,6 +242,27 @@ def exclusive_prefix(summary: Any, empty: Any, combine: Any, axis_name: Any, P_:
   return x
 
 
+def _segmented(combine: Any) -> Any:
+  """``combine`` over ``(starts, summary)`` pairs, ``starts [B]`` bool: a span that starts a
+  new segment in row b (at its first token) drops what came before it there.
+
+  A summary already means "reset, then this" where its span holds a boundary
+  inside; a boundary at a device's first token is seen by no device alone, so
+  it rides beside the summary (the segmented scan's flag). Associative when
+  ``combine`` is. Every leaf of a summary is batch-leading (``[B, ...]``).
+  """
+  def segmented(earlier, later):
+    (starts_a, a), (starts_b, b) = earlier, later
+    return starts_a | starts_b, _where_rows(starts_b, b, combine(a, b))
+  return segmented
+
+
+def _where_rows(rows: jax.Array, a: Any, b: Any) -> Any:
+  """``a`` where ``rows [B]`` is True, else ``b`` (pytrees of ``[B, ...]`` arrays)."""
+  return jax.tree.map(lambda x, y: jnp.where(rows.reshape(rows.shape + (1,) * (x.ndim - 1)),
+                                             x, y), a, b)
+
+
 def _per_token(spec: Any, inputs: dict[str, Any], p: checks.Prepared, key_shape: tuple[int, ...],
                *, fn: str) -> dict[str, jax.Array]:
   """``spec``'s per-token inputs, each checked against its declared shape (e.g.
@@ -274,7 +300,8 @@ def _tracing(args) -> bool:
 @_enters_given_mesh
 def context_parallel_attention(
     query: Any, key: Any, value: Any, *, attention: str, mesh: Mesh, axis_name: Any,
-    is_causal: bool = True, key_value_seq_lengths: Any = None, **options: Any,
+    is_causal: bool = True, key_value_seq_lengths: Any = None, segment_ids: Any = None,
+    **options: Any,
 ) -> jax.Array:
   """A recurrent attention over a sequence sharded along its length over ``axis_name``.
 
@@ -302,6 +329,12 @@ def context_parallel_attention(
       not be a multiple of P: the end is padded and hidden.
     is_causal: query t sees keys ``j <= t`` (default True).
     key_value_seq_lengths: optional ``[B]`` ints; keys at or past it are hidden.
+    segment_ids: packed sequences (causal only): int ids ``[B, T]``, non-decreasing
+      along the sequence; token t reads the keys of its own segment only, as the
+      variant's own ``segment_ids`` does on one device. They are split along T
+      with the keys; a device whose span holds a boundary summarises "start
+      afresh, then these keys", and one whose first token starts a segment drops
+      the prefix before it. The order is checked on an eager call only.
     **options: the variant's options, as for ``get_attention`` (arrays such
       as a ``projection`` are replicated to every device), and its per-token
       inputs by the names of ``AttentionSpec.token_inputs`` (gates, betas,
@@ -314,8 +347,9 @@ def context_parallel_attention(
   Raises:
     ValueError: for a variant without a recurrent state (use
       :func:`ring_attention` for softmax), a per-token input missing or not
-      of its declared shape, ``is_causal=False`` for a causal-only variant,
-      an unknown or missing option, an
+      of its declared shape, ``is_causal=False`` for a causal-only variant or
+      with ``segment_ids``, malformed ``segment_ids`` (not one int array
+      ``[B, T]``, or eagerly, decreasing), an unknown or missing option, an
       option context parallelism sets itself (``initial_state``,
       ``return_state``, ``key_value_seq_lengths``, ``is_causal``), a ``mesh``
       that is not a ``jax.sharding.Mesh``, an axis not in the mesh, T != S,
@@ -360,6 +394,15 @@ def context_parallel_attention(
   is_causal = checks.check_static_bool(is_causal, name="is_causal", fn=fn)
   if not is_causal and not spec.supports_noncausal:
     raise ValueError(f"{fn}: attention={attention!r} supports is_causal=True only.")
+  if segment_ids is not None:
+    if not is_causal:
+      raise ValueError(
+          f"{fn}: segment_ids need is_causal=True (attention={attention!r}): a non-causal "
+          "recurrent pass reads one state of all keys, which packed sequences do not share.")
+    if isinstance(segment_ids, tuple | list):
+      raise ValueError(f"{fn}: segment_ids must be one int array [B, T] (self-attention: "
+                       f"queries and keys share it); got a {type(segment_ids).__name__}.")
+    checks.check_segment_order(segment_ids, fn=fn)
   missing = [x.name for x in spec.token_inputs if x.name not in inputs]
   if missing:
     needs = ", ".join(f"{x.name} {x.layout}" for x in spec.token_inputs)
@@ -368,15 +411,15 @@ def context_parallel_attention(
   _axis_size(mesh, axis_name, fn)
   arrays, static = _split_arrays(options)
   static = tuple(sorted((k, checks.static_option(v, name=k, fn=fn)) for k, v in static.items()))
-  return _context_parallel(query, key, value, key_value_seq_lengths, arrays, inputs,
-                           attention=attention, mesh=mesh, axis_name=axis_name,
+  return _context_parallel(query, key, value, key_value_seq_lengths, segment_ids, arrays,
+                           inputs, attention=attention, mesh=mesh, axis_name=axis_name,
                            is_causal=is_causal, static=static)
 
 
 @functools.partial(jax.jit, static_argnames=("attention", "mesh", "axis_name", "is_causal",
                                              "static"))
-def _context_parallel(query, key, value, lengths, arrays, inputs, *, attention, mesh, axis_name,
-                      is_causal, static):
+def _context_parallel(query, key, value, lengths, segment_ids, arrays, inputs, *, attention, mesh,
+                      axis_name, is_causal, static):
   """:func:`context_parallel_attention` as one compiled program (inlined under jit)."""
   fn = "context_parallel_attention"
   spec = get_spec(attention)
@@ -384,19 +427,29 @@ def _context_parallel(query, key, value, lengths, arrays, inputs, *, attention, 
   P_ = mesh.shape[axis_name]
   p, lengths = _prepare(query, key, value, lengths, fn=fn)
   per_token = _per_token(spec, inputs, p, jnp.shape(key), fn=fn)
+  segments = checks.check_segment_ids(segment_ids, p, fn=fn)
+  ids = None if segments is None else segments[0]  # One array: queries' and keys'.
   L = -(-p.dims.T // P_)
 
-  def local(q, k, v, lengths, arrays, per_token, _):
+  def local(q, k, v, lengths, arrays, per_token, ids):
     opts = {**dict(static), **arrays}
+    packed = {} if ids is None else {"segment_ids": ids}
     i = lax.axis_index(axis_name)
     local_lengths = jnp.clip(lengths - i * L, 0, L)
     summary = streaming.summarize(k, v, key_value_seq_lengths=local_lengths, **per_token,
-                                  **accepted(streaming.summarize, opts))
+                                  **packed, **accepted(streaming.summarize, opts))
     empty = streaming.empty_summary(q, k, v, **accepted(streaming.empty_summary, opts))
-    prefix = exclusive_prefix(summary, empty, streaming.combine, axis_name, P_)
+    if ids is None:
+      prefix = exclusive_prefix(summary, empty, streaming.combine, axis_name, P_)
+    else:  # Rows whose segment starts at this device's first token drop what came before.
+      starts = _shift(ids[:, -1], ids[:, 0], 1, axis_name, P_) != ids[:, 0]  # [B]
+      no = jnp.zeros_like(starts)
+      _, prefix = exclusive_prefix((starts, summary), (no, empty),
+                                   _segmented(streaming.combine), axis_name, P_)
+      prefix = _where_rows(starts, empty, prefix)
     if is_causal:
       return spec.function(q, k, v, is_causal=True, key_value_seq_lengths=local_lengths,
-                           initial_state=prefix, **opts, **per_token)
+                           initial_state=prefix, **packed, **opts, **per_token)
     inclusive = streaming.combine(prefix, summary)
     last = i == P_ - 1  # Broadcast the last device's state: the others add zeros.
     total = lax.psum(jax.tree.map(lambda x: jnp.where(last, x, jnp.zeros_like(x)), inclusive),
@@ -408,7 +461,7 @@ def _context_parallel(query, key, value, lengths, arrays, inputs, *, attention, 
         local_lengths), initial_state=total, **opts, **per_token)
 
   out = _sharded(local, p, lengths, arrays, mesh=mesh, axis_name=axis_name, zigzag=False,
-                 per_token=per_token)
+                 per_token=per_token, segment_ids=ids)
   return p.restore(out)
 
 
@@ -807,13 +860,16 @@ class ContextParallel:
           f"{_full_softmax()} (ring attention) and {recurrent_attentions()}.")
 
   def attend(self, attention: str, query, key, value, *, is_causal: bool,
-             key_value_seq_lengths: Any = None, **options: Any) -> jax.Array:
-    """``attention`` over ``query``/``key``/``value`` split along T over the axis."""
+             key_value_seq_lengths: Any = None, segment_ids: Any = None,
+             **options: Any) -> jax.Array:
+    """``attention`` over ``query``/``key``/``value`` split along T over the axis
+    (``segment_ids [B, T]``: packed sequences, as the function it runs takes them)."""
     self.check(attention, options)
     if get_spec(attention).full_softmax:
       return ring_attention(query, key, value, mesh=self.mesh, axis_name=self.axis_name,
                             is_causal=is_causal, key_value_seq_lengths=key_value_seq_lengths,
-                            **options)
+                            segment_ids=segment_ids, **options)
     return context_parallel_attention(
         query, key, value, attention=attention, mesh=self.mesh, axis_name=self.axis_name,
-        is_causal=is_causal, key_value_seq_lengths=key_value_seq_lengths, **options)
+        is_causal=is_causal, key_value_seq_lengths=key_value_seq_lengths,
+        segment_ids=segment_ids, **options)
