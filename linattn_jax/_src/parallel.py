@@ -130,7 +130,7 @@ def _prepare(query, key, value, lengths, *, fn: str):
 
 def _sharded(local: Any, p: checks.Prepared, lengths: jax.Array, replicated: Any, *,
              mesh: Mesh, axis_name: Any, zigzag: bool, per_token: Any = (),
-             segment_ids: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+             segment_ids: Any = None) -> jax.Array:
   """``local(q, k, v, lengths, replicated, per_token, segment_ids)`` with T split over
   ``axis_name``.
 
