@@ -257,6 +257,17 @@ def _segmented(combine: Any) -> Any:
   return segmented
 
 
+def _shaped_as(empty: Any, summary: Any) -> Any:
+  """``empty`` with the fields it leaves None filled as zeros (False) shaped as ``summary``'s.
+
+  A packed summary fills fields an empty state leaves None (a kernel state's
+  ``reset``, where None means "no segment start", as False does); the scan
+  selects between the two, so they must be one pytree.
+  """
+  return jax.tree.map(lambda e, s: jnp.zeros_like(s) if e is None else e, empty, summary,
+                      is_leaf=lambda x: x is None)
+
+
 def _where_rows(rows: jax.Array, a: Any, b: Any) -> Any:
   """``a`` where ``rows [B]`` is True, else ``b`` (pytrees of ``[B, ...]`` arrays)."""
   return jax.tree.map(lambda x, y: jnp.where(rows.reshape(rows.shape + (1,) * (x.ndim - 1)),
@@ -442,6 +453,7 @@ def _context_parallel(query, key, value, lengths, segment_ids, arrays, inputs, *
     if ids is None:
       prefix = exclusive_prefix(summary, empty, streaming.combine, axis_name, P_)
     else:  # Rows whose segment starts at this device's first token drop what came before.
+      empty = _shaped_as(empty, summary)
       starts = _shift(ids[:, -1], ids[:, 0], 1, axis_name, P_) != ids[:, 0]  # [B]
       no = jnp.zeros_like(starts)
       _, prefix = exclusive_prefix((starts, summary), (no, empty),

@@ -158,9 +158,9 @@ def test_ring_attention_with_segment_ids_equals_one_device(is_causal):
   np.testing.assert_array_equal(got[0][0, 32:], 0)  # No key: zeros, not NaN.
 
 
-# A kernel feature map, a gate per key feature and the gated delta rule: the three ways a
-# summary says "start afresh" (a reset flag, a decay, an affine map's transition).
-PACKED_RECURRENT = ("linear_elu", "gla", "gated_delta_net")
+# A kernel feature map and the gated delta rule: a summary that says "start afresh" with a
+# reset flag, and one that says it with its decays (an affine map's transition).
+PACKED_RECURRENT = ("linear_elu", "gated_delta_net")
 
 
 @pytest.mark.parametrize("name", PACKED_RECURRENT)
@@ -173,8 +173,7 @@ def test_context_parallel_with_segment_ids_equals_one_device(name):
   q, k, v = make_qkv(PACKED)
   ids, lengths = jnp.asarray(PACKED_IDS), jnp.asarray(PACKED_LENGTHS, jnp.int32)
   ct = cotangent(jnp.zeros((PACKED.B, PACKED.T, PACKED.N, PACKED.D)))
-  options = dict(suite_options(spec), is_causal=True, key_value_seq_lengths=lengths,
-                 segment_ids=ids)
+  options = dict(is_causal=True, key_value_seq_lengths=lengths, segment_ids=ids)
   split = with_derived_inputs(spec, functools.partial(
       parallel.context_parallel_attention, attention=name, mesh=mesh(), axis_name="seq",
       **options))
