@@ -228,6 +228,7 @@ def delta_rule_attention(
     scale: float | None = None,
     is_causal: bool = False,
     key_value_seq_lengths: ArrayLike | None = None,
+    segment_ids: ArrayLike | None = None,
     initial_state: GatedState | None = None,
     return_state: bool = False,
     implementation: DeltaImplementation | None = None,
@@ -252,6 +253,11 @@ def delta_rule_attention(
     is_causal: must be True (a recurrence); the default False raises, as for every
       causal-only variant.
     key_value_seq_lengths: optional ``[B]``: keys at or past it are identity steps.
+    segment_ids: packed sequences, ``[B, T]`` ints that do not decrease along T
+      (T == S, ``is_causal=True``): the state is dropped where the id changes, so a
+      query sees only its own segment's keys; ``initial_state`` seeds each row's first
+      segment and the returned state is its last segment's. Their order is checked
+      only where concrete (not under ``jax.jit``).
     initial_state: a :class:`GatedState` to continue from, or a
       :class:`DeltaSummary` (continued from its ``kv``).
     return_state: also return the final state: a :class:`GatedState`, or for a
@@ -284,7 +290,8 @@ def delta_rule_attention(
     Networks: Improving Mamba2 with Delta Rule", 2025.
   """
   return _delta(query, key, value, beta, log_decay=log_decay, scale=scale, is_causal=is_causal,
-                key_value_seq_lengths=key_value_seq_lengths, initial_state=initial_state,
+                key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids,
+                initial_state=initial_state,
                 return_state=return_state, implementation=implementation,
                 chunk_size=chunk_size, fn="delta_rule_attention")
 
@@ -345,13 +352,16 @@ def _delta_reference(S0, chunk: recurrence.Chunk):
   T, S = chunk.num_queries, chunk.num_keys
 
   def token(state, x):
-    k, v, g, beta = x  # [B, K, H], [B, K, D], [B, K, 1], [B, K, 1]
+    k, v, g, beta, *reset = x  # [B, K, H], [B, K, D], [B, K, 1], [B, K, 1] (, [B, 1, 1])
+    if reset:  # Packed: a segment start drops the state.
+      state = jnp.where(reset[0][..., None], 0, state)
     state = jnp.exp(g)[..., None] * state
     u = beta * (v - jnp.einsum("bkh,bkhd->bkd", k, state))
     state = state + jnp.einsum("bkh,bkd->bkhd", k, u)
     return state, state
 
-  keys = tuple(jnp.moveaxis(x, 2, 0) for x in (chunk.fk, chunk.v, *chunk.gates))
+  resets = () if chunk.reset is None else (chunk.reset,)
+  keys = tuple(jnp.moveaxis(x, 2, 0) for x in (chunk.fk, chunk.v, *chunk.gates, *resets))
   state, states = lax.scan(token, S0, keys)
   return jnp.einsum("bkgth,tbkhd->bkgtd", chunk.fq, states[S - T:]), state
 
@@ -360,7 +370,8 @@ def _delta_reference(S0, chunk: recurrence.Chunk):
 def delta_rule_attention_reference(
     query: ArrayLike, key: ArrayLike, value: ArrayLike, beta: ArrayLike, *,
     log_decay: ArrayLike | None = None, scale: float | None = None, is_causal: bool = False,
-    key_value_seq_lengths: ArrayLike | None = None, initial_state: GatedState | None = None,
+    key_value_seq_lengths: ArrayLike | None = None, segment_ids: ArrayLike | None = None,
+    initial_state: GatedState | None = None,
     return_state: bool = False, chunk_size: int | None = None,
 ) -> jax.Array | tuple[jax.Array, GatedState]:
   """The oracle of :func:`delta_rule_attention`: the token recurrence written out.
@@ -385,7 +396,8 @@ def delta_rule_attention_reference(
     Sequence Length", 2024.
   """
   return _delta(query, key, value, beta, log_decay=log_decay, scale=scale, is_causal=is_causal,
-                key_value_seq_lengths=key_value_seq_lengths, initial_state=initial_state,
+                key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids,
+                initial_state=initial_state,
                 return_state=return_state, chunk_size=chunk_size, implementation="reference",
                 fn="delta_rule_attention_reference")
 
@@ -423,12 +435,14 @@ def _identity(key: Any, value: Any) -> DeltaSummary | None:
 
 
 def _summarize(key: Any, value: Any, beta: Any, *, log_decay: Any = None,
-               key_value_seq_lengths: Any = None, chunk_size: int | None = None) -> DeltaSummary:
+               key_value_seq_lengths: Any = None, chunk_size: int | None = None,
+               segment_ids: Any = None) -> DeltaSummary:
   """The :class:`DeltaSummary` of ``key [B, S, K, H]`` / ``value [B, S, K, D]`` (the
   recurrence run from the identity summary, as :class:`DeltaSummary` says)."""
   return recurrence.summarize_keys(delta_rule_attention, key, value, beta=beta,
                                    log_decay=log_decay, chunk_size=chunk_size,
                                    initial_state=_identity(key, value),
+                                   segment_ids=segment_ids,
                                    key_value_seq_lengths=key_value_seq_lengths)
 
 

@@ -67,6 +67,9 @@ class EfficientState(NamedTuple):
     kv: ``[B, K, H, D]``: ``Σ_j exp(k_jh - running_max_h) v_j``.
     k_sum: ``[B, K, H]``: ``Σ_j exp(k_jh - running_max_h)``.
     running_max: ``[B, K, H]``: ``max_j k_jh`` over the keys seen (``-inf``: none yet).
+    reset: None, or ``[B]`` bool in a summary of packed keys (the registry's
+      ``summarize`` with ``segment_ids``): True where the keys hold a segment start,
+      so that ``combine`` drops the state before them. Ignored as ``initial_state``.
 
   Examples:
     >>> x = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))  # [B, T, N=K, H=D]
@@ -78,6 +81,7 @@ class EfficientState(NamedTuple):
   kv: jax.Array  # [B, K, H, D]: Σ_j exp(k_jh - running_max_h) v_j.
   k_sum: jax.Array  # [B, K, H]: Σ_j exp(k_jh - running_max_h).
   running_max: jax.Array  # [B, K, H]: max_j k_jh over the keys seen (-inf: none yet).
+  reset: Any = None  # None, or [B] bool (summaries of packed keys).
 
 
 def init_efficient_state(
@@ -131,8 +135,10 @@ _FAMILY = KernelFamily(_Softmaxes(), "per_feature", EfficientState, IMPLEMENTATI
 # Reference -------------------------------------------------------------------
 
 
-def _reference(p: checks.Prepared, is_causal: bool, lengths: jax.Array | None) -> jax.Array:
-  """Explicit masked key softmax over j for every (t, k, h): O(T·S·K·H) memory."""
+def _reference(p: checks.Prepared, is_causal: bool, lengths: jax.Array | None,
+               ids: jax.Array | None = None) -> jax.Array:
+  """Explicit masked key softmax over j for every (t, k, h): O(T·S·K·H) memory; ``ids
+  [B, S]``: packed segments (query t sees key j only if ``ids[t] == ids[j]``)."""
   B, T, S, N, K, H, D = p.dims
   acc = checks.accumulation_dtype(p.query.dtype)
   q, k, v = (x.astype(acc) for x in p[:3])
@@ -140,6 +146,8 @@ def _reference(p: checks.Prepared, is_causal: bool, lengths: jax.Array | None) -
   visible = length_predicate(jnp.arange(S), lengths)[:, None, :]  # [B|1, 1, S]
   if is_causal:
     visible = visible & causal_predicate(jnp.arange(T)[:, None], jnp.arange(S)[None], T, S)[None]
+  if ids is not None:
+    visible = visible & (ids[:, :, None] == ids[:, None, :])
   s = jnp.where(visible[..., None, None], k[:, None], -jnp.inf)  # [B, T, S, K, H]
   m = lax.stop_gradient(jnp.max(s, axis=2, keepdims=True))
   e = jnp.exp(s - exponent_shift(m))
@@ -155,6 +163,7 @@ def efficient_attention_reference(
     *,
     is_causal: bool = False,
     key_value_seq_lengths: Any = None,
+    segment_ids: ArrayLike | None = None,
 ) -> jax.Array:
   """The oracle of :func:`efficient_attention`: a masked key softmax per (query, feature).
 
@@ -169,6 +178,11 @@ def efficient_attention_reference(
     value: ``[B, S, K, D]``.
     is_causal: query t sees keys ``j <= t + S - T`` (bottom-right aligned).
     key_value_seq_lengths: optional ``[B]`` ints; keys at or past it are masked.
+    segment_ids: packed sequences, ``[B, T]`` ints that do not decrease along T
+      (T == S, ``is_causal=True``): the state is dropped where the id changes, so a
+      query sees only its own segment's keys; ``initial_state`` seeds each row's first
+      segment and the returned state is its last segment's. Their order is checked
+      only where concrete (not under ``jax.jit``).
 
   Returns:
     ``[B, T, N, D]`` (or ``[T, N, D]``) in the input dtype; rows with no
@@ -192,13 +206,15 @@ def efficient_attention_reference(
   is_causal = checks.check_static_bool(is_causal, name="is_causal", fn=fn)
   p = checks.prepare_qkv(query, key, value, fn=fn)
   lengths = checks.check_lengths(p, fn=fn, key_value_seq_lengths=key_value_seq_lengths)
-  return p.restore(_reference(p, is_causal, lengths["key_value_seq_lengths"]))
+  ids = recurrence.check_segment_ids(segment_ids, p, is_causal=is_causal, fn=fn)
+  return p.restore(_reference(p, is_causal, lengths["key_value_seq_lengths"], ids))
 
 
 # Public functions ------------------------------------------------------------
 
 
-@checks.compiled("is_causal", "implementation", "chunk_size", "return_state")
+@checks.compiled("is_causal", "implementation", "chunk_size", "return_state",
+                 concrete_checks={"segment_ids": checks.check_segment_order})
 def efficient_attention(
     query: ArrayLike,
     key: ArrayLike,
@@ -206,6 +222,7 @@ def efficient_attention(
     *,
     is_causal: bool = False,
     key_value_seq_lengths: Any = None,
+    segment_ids: ArrayLike | None = None,
     initial_state: EfficientState | None = None,
     return_state: bool = False,
     implementation: EfficientImplementation | None = None,
@@ -227,6 +244,11 @@ def efficient_attention(
       sees; for T > S the first T - S queries see none and return zeros).
     key_value_seq_lengths: optional ``[B]`` ints; keys at or past it are
       masked out of the key softmax and do not advance the state.
+    segment_ids: packed sequences, ``[B, T]`` ints that do not decrease along T
+      (T == S, ``is_causal=True``): the state is dropped where the id changes, so a
+      query sees only its own segment's keys; ``initial_state`` seeds each row's first
+      segment and the returned state is its last segment's. Their order is checked
+      only where concrete (not under ``jax.jit``).
     initial_state: an :class:`EfficientState` summarising keys before this
       call, seen by every query, causal or not (the rule of every recurrent
       variant). Unbatched calls take an unbatched state.
@@ -275,7 +297,8 @@ def efficient_attention(
       implementation, name="implementation", choices=(None,) + IMPLEMENTATIONS, fn=fn)
   return recurrence.recurrent_attention(
       _FAMILY, query, key, value, is_causal=is_causal,
-      key_value_seq_lengths=key_value_seq_lengths, eps=0.0, implementation=implementation,
+      key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids, eps=0.0,
+      implementation=implementation,
       chunk_size=chunk_size, initial_state=initial_state,
       return_state=return_state, fn=fn)
 
@@ -333,9 +356,11 @@ def _init_like(query: jax.Array, key: jax.Array, value: jax.Array) -> EfficientS
       B, K, H, value.shape[-1], checks.accumulation_dtype(query.dtype))
 
 
-def _summarize(key: Any, value: Any, *, key_value_seq_lengths: Any = None) -> EfficientState:
+def _summarize(key: Any, value: Any, *, key_value_seq_lengths: Any = None,
+               segment_ids: Any = None) -> EfficientState:
   """The :class:`EfficientState` of ``key`` / ``value`` (the registry's ``summarize``)."""
   return recurrence.summarize_keys(efficient_attention, key, value,
+                                   segment_ids=segment_ids,
                                    key_value_seq_lengths=key_value_seq_lengths)
 
 

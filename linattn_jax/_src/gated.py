@@ -283,7 +283,9 @@ class MatrixFamily(recurrence.Family):
   (``reference(S_0, chunk) -> (out, S_end)``), its per-token inputs and its span
   summary. The chunk it runs carries the scaled queries in ``fq``, the keys in ``fk``
   and its inputs' arrays in ``gates`` (in the order of :meth:`token_inputs`, each
-  ``[B, K, S, H|1]``, 0 at padded keys).
+  ``[B, K, S, H|1]``, 0 at padded keys), the first of them its log-decay. Packed
+  sequences reach the bodies as that decay: ``RESET_LOG_DECAY`` where a segment
+  starts (the state is dropped, exactly); ``chunk.reset`` stays for the oracle.
   """
 
   supports_noncausal: ClassVar[bool] = False
@@ -317,6 +319,9 @@ class MatrixFamily(recurrence.Family):
     d = p.dims
     scale = checks.resolve_scale(options.scale, d.H)
     chunk = chunk._replace(fq=chunk.fq * scale, lk=None, gates=self.gates(inputs, chunk))
+    if chunk.reset is not None:  # A segment start drops the state: its decay becomes exp(-1e4).
+      g, *rest = chunk.gates
+      chunk = chunk._replace(gates=(jnp.where(chunk.reset, recurrence.RESET_LOG_DECAY, g), *rest))
     if state is None:
       return recurrence.Start(chunk, None, jnp.zeros_like(chunk.v, shape=(d.B, d.K, d.H, d.D)))
     lead = (d.B,) if p.batched else ()
@@ -417,6 +422,7 @@ def gated_linear_attention(
     scale: float | None = None,
     is_causal: bool = False,
     key_value_seq_lengths: ArrayLike | None = None,
+    segment_ids: ArrayLike | None = None,
     initial_state: GatedState | None = None,
     return_state: bool = False,
     implementation: GatedImplementation | None = None,
@@ -440,6 +446,11 @@ def gated_linear_attention(
     is_causal: must be True (a recurrence); the default False raises, as for every
       causal-only variant.
     key_value_seq_lengths: optional ``[B]``: keys at or past it are identity steps.
+    segment_ids: packed sequences, ``[B, T]`` ints that do not decrease along T
+      (T == S, ``is_causal=True``): the state is dropped where the id changes, so a
+      query sees only its own segment's keys; ``initial_state`` seeds each row's first
+      segment and the returned state is its last segment's. Their order is checked
+      only where concrete (not under ``jax.jit``).
     initial_state: a :class:`GatedState` to continue from, or a
       :class:`GatedSummary` (continued from its ``kv``).
     return_state: also return the final state: a :class:`GatedState`, or for a
@@ -474,7 +485,8 @@ def gated_linear_attention(
     Space Duality", 2024.
   """
   return _gated(query, key, value, log_decay, scale=scale, is_causal=is_causal,
-                key_value_seq_lengths=key_value_seq_lengths, initial_state=initial_state,
+                key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids,
+                initial_state=initial_state,
                 return_state=return_state, implementation=implementation,
                 chunk_size=chunk_size, fn="gated_linear_attention")
 
@@ -560,16 +572,23 @@ def _gla_reference(S0, chunk: recurrence.Chunk):
   chunk = aligned(chunk)
   (g,) = chunk.gates
   T, S = chunk.num_queries, chunk.num_keys
+  visible = jnp.arange(S)[None, :] <= jnp.arange(T)[:, None] + S - T  # [T, S]
+  first = last = keeps_S0 = True  # Packed (T == S): S_0 reaches the first segment only.
+  if chunk.reset is not None:
+    g = jnp.where(chunk.reset, 0, g)  # A start's own decay acts on the dropped state.
+    c = recurrence.segment_index(chunk.reset)  # [B, 1, S]
+    visible = visible[None, None] & (c[..., :, None] == c[..., None, :])  # [B, 1, T, S]
+    first, last = (c == 0)[:, :, None, :, None], (c == c[..., -1:])[..., None]
+    keeps_S0 = ~recurrence.any_reset(chunk.reset)[..., None, None]  # [B, 1, 1, 1]
   G = jnp.cumsum(g, axis=2)  # [B, K, S, H|1]
   Gq = G[:, :, S - T:]  # query i sits at key position i + S - T.
-  visible = jnp.arange(S)[None, :] <= jnp.arange(T)[:, None] + S - T  # [T, S]
   gamma = jnp.exp(jnp.where(visible[..., None], Gq[:, :, :, None] - G[:, :, None], -jnp.inf))
   a = jnp.einsum("bkgih,bkjh,bkijh->bkgij", chunk.fq, chunk.fk,
                  jnp.broadcast_to(gamma, gamma.shape[:-1] + (chunk.fk.shape[-1],)))
-  out = (jnp.einsum("bkgij,bkjd->bkgid", a, chunk.v)
-         + jnp.einsum("bkgih,bkhd->bkgid", chunk.fq * jnp.exp(Gq)[:, :, None], S0))
-  to_end = jnp.exp(G[:, :, -1:] - G)  # [B, K, S, H|1]
-  S_end = (jnp.exp(G[:, :, -1])[..., None] * S0
+  read = jnp.where(first, chunk.fq * jnp.exp(Gq)[:, :, None], 0)
+  out = jnp.einsum("bkgij,bkjd->bkgid", a, chunk.v) + jnp.einsum("bkgih,bkhd->bkgid", read, S0)
+  to_end = jnp.where(last, jnp.exp(G[:, :, -1:] - G), 0)  # [B, K, S, H|1]
+  S_end = (jnp.where(keeps_S0, jnp.exp(G[:, :, -1])[..., None] * S0, 0)
            + jnp.einsum("bkjh,bkjd->bkhd", chunk.fk * to_end, chunk.v))
   return out, S_end
 
@@ -578,7 +597,8 @@ def _gla_reference(S0, chunk: recurrence.Chunk):
 def gated_linear_attention_reference(
     query: ArrayLike, key: ArrayLike, value: ArrayLike, log_decay: ArrayLike, *,
     scale: float | None = None, is_causal: bool = False,
-    key_value_seq_lengths: ArrayLike | None = None, initial_state: GatedState | None = None,
+    key_value_seq_lengths: ArrayLike | None = None, segment_ids: ArrayLike | None = None,
+    initial_state: GatedState | None = None,
     return_state: bool = False, chunk_size: int | None = None,
 ) -> jax.Array | tuple[jax.Array, GatedState]:
   """The oracle of :func:`gated_linear_attention`: ``(Q Kᵀ ⊙ Γ) V`` at once, float32.
@@ -604,7 +624,8 @@ def gated_linear_attention_reference(
     Training", 2024.
   """
   return _gated(query, key, value, log_decay, scale=scale, is_causal=is_causal,
-                key_value_seq_lengths=key_value_seq_lengths, initial_state=initial_state,
+                key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids,
+                initial_state=initial_state,
                 return_state=return_state, chunk_size=chunk_size, implementation="reference",
                 fn="gated_linear_attention_reference")
 
@@ -680,11 +701,12 @@ def init_like(query: Any, key: Any, value: Any) -> GatedState:
 
 
 def _gated_summarize(key: Any, value: Any, log_decay: Any, *, key_value_seq_lengths: Any = None,
-                     chunk_size: int | None = None) -> GatedSummary:
+                     chunk_size: int | None = None, segment_ids: Any = None) -> GatedSummary:
   """The :class:`GatedSummary` of ``key [B, S, K, H]`` / ``value [B, S, K, D]``."""
   identity = _identity(key, value, per_feature=jnp.ndim(log_decay) == jnp.ndim(key))
   return recurrence.summarize_keys(gated_linear_attention, key, value, log_decay=log_decay,
                                    initial_state=identity, chunk_size=chunk_size,
+                                   segment_ids=segment_ids,
                                    key_value_seq_lengths=key_value_seq_lengths)
 
 

@@ -76,6 +76,9 @@ class HeinsenState(NamedTuple):
     kv: ``[B, K, H, D]``: ``Σ_j exp(k_jh - running_max_h) v_j``.
     k_sum: ``[B, K, H]``: ``Σ_j exp(k_jh - running_max_h)``.
     running_max: ``[B, K, H]``: ``max_j k_jh`` over the keys so far (``-inf`` before any key).
+    reset: None, or ``[B]`` bool in a summary of packed keys (the registry's
+      ``summarize`` with ``segment_ids``): True where the keys hold a segment start,
+      so that ``combine`` drops the state before them. Ignored as ``initial_state``.
 
   Examples:
     >>> x = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))  # [B, T, N=K, H=D]
@@ -87,6 +90,7 @@ class HeinsenState(NamedTuple):
   kv: jax.Array  # [B, K, H, D]: Σ_j exp(k_jh - running_max_h) v_j.
   k_sum: jax.Array  # [B, K, H]: Σ_j exp(k_jh - running_max_h).
   running_max: jax.Array  # [B, K, H]: max_j k_jh over the keys so far (-inf before any key).
+  reset: Any = None  # None, or [B] bool (summaries of packed keys).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,9 +134,18 @@ def _log_absorb(config, log_state: jax.Array, chunk: recurrence.Chunk) -> jax.Ar
 
 def _log_causal(config, log_state: jax.Array, chunk: recurrence.Chunk):
   """C aligned queries and keys: per-position states (a cumulative log-sum-exp), each query
-  reads its own."""
-  prefix = lax.associative_scan(logaddexp, _log_terms(chunk), axis=2)
-  prefix = logaddexp(log_state[:, :, None], prefix)  # [B, K, C, H, E]
+  reads its own. Packed: a segment start drops the sums before it."""
+  terms = _log_terms(chunk)
+  if chunk.reset is None:
+    prefix = lax.associative_scan(logaddexp, terms, axis=2)
+    prefix = logaddexp(log_state[:, :, None], prefix)  # [B, K, C, H, E]
+  else:  # (log-sums, reset) pairs: (x, r) ∘ (y, s) = (y if s else x ⊕ y, r | s).
+    def compose(a, b):
+      return jnp.where(b[1], b[0], logaddexp(a[0], b[0])), a[1] | b[1]
+
+    reset = chunk.reset[..., None]  # [B, 1, C, 1, 1]
+    prefix, reset = lax.associative_scan(compose, (terms, reset), axis=2)
+    prefix = jnp.where(reset, prefix, logaddexp(log_state[:, :, None], prefix))
   return prefix[:, :, -1], _log_read(config, prefix, chunk)
 
 
@@ -174,7 +187,7 @@ class _LogValues(recurrence.Family):
 
 
 @functools.partial(jax.jit, static_argnames=("is_causal", "log_space"))
-def _reference(query, key, value, kv_len, *, is_causal: bool, log_space: bool):
+def _reference(query, key, value, kv_len, ids, *, is_causal: bool, log_space: bool):
   """Explicit weights ``[B, T, S, N]``, masked and normalised in log space::
 
       log w_tj = logsumexp_h(q_th + k_jh) - logsumexp_j' logsumexp_h(q_th + k_j'h)
@@ -190,6 +203,8 @@ def _reference(query, key, value, kv_len, *, is_causal: bool, log_space: bool):
   valid = masks_lib.length_predicate(jnp.arange(S), kv_len)[:, None, :]  # [B|1, 1, S]
   if is_causal:
     valid = valid & masks_lib.causal(T, S)[None]
+  if ids is not None:  # Packed: query t sees key j only in its own segment.
+    valid = valid & (ids[:, :, None] == ids[:, None, :])
   logits = jnp.where(valid[..., None], logits, -jnp.inf)
   log_w = logits - exponent_shift(logsumexp(logits, axis=2))[:, :, None]
   if log_space:
@@ -209,6 +224,7 @@ def heinsen_attention_reference(
     *,
     is_causal: bool = False,
     key_value_seq_lengths: Any = None,
+    segment_ids: ArrayLike | None = None,
 ) -> jax.Array:
   """The oracle of :func:`heinsen_attention`: explicit ``[B, T, S, N]`` weights, never optimised.
 
@@ -223,6 +239,11 @@ def heinsen_attention_reference(
     value: ``[B, S, K, D]``.
     is_causal: query t sees keys ``j <= t + S - T`` (bottom-right aligned).
     key_value_seq_lengths: optional ``[B]`` ints; keys at or past it are ignored.
+    segment_ids: packed sequences, ``[B, T]`` ints that do not decrease along T
+      (T == S, ``is_causal=True``): the state is dropped where the id changes, so a
+      query sees only its own segment's keys; ``initial_state`` seeds each row's first
+      segment and the returned state is its last segment's. Their order is checked
+      only where concrete (not under ``jax.jit``).
 
   Returns:
     ``[B, T, N, D]`` (or ``[T, N, D]``) in the input dtype; zeros for queries that see no
@@ -245,19 +266,21 @@ def heinsen_attention_reference(
   fn = "heinsen_attention_reference"
   return _oracle(query, key, value, fn=fn, log_space=False,
                  is_causal=checks.check_static_bool(is_causal, name="is_causal", fn=fn),
-                 key_value_seq_lengths=key_value_seq_lengths)
+                 key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids)
 
 
 def _oracle(query, key, value, *, fn: str, log_space: bool, is_causal: bool,
-            key_value_seq_lengths: Any) -> jax.Array:
+            key_value_seq_lengths: Any, segment_ids: Any) -> jax.Array:
   p = checks.prepare_qkv(query, key, value, fn=fn)
   kv_len = checks.check_lengths(
       p, fn=fn, key_value_seq_lengths=key_value_seq_lengths)["key_value_seq_lengths"]
-  return p.restore(_reference(p.query, p.key, p.value, kv_len, is_causal=is_causal,
+  ids = recurrence.check_segment_ids(segment_ids, p, is_causal=is_causal, fn=fn)
+  return p.restore(_reference(p.query, p.key, p.value, kv_len, ids, is_causal=is_causal,
                               log_space=log_space))
 
 
-@checks.compiled("is_causal", "implementation", "chunk_size", "return_state")
+@checks.compiled("is_causal", "implementation", "chunk_size", "return_state",
+                 concrete_checks={"segment_ids": checks.check_segment_order})
 def heinsen_attention(
     query: ArrayLike,
     key: ArrayLike,
@@ -265,6 +288,7 @@ def heinsen_attention(
     *,
     is_causal: bool = False,
     key_value_seq_lengths: Any = None,
+    segment_ids: ArrayLike | None = None,
     initial_state: HeinsenState | None = None,
     return_state: bool = False,
     implementation: HeinsenImplementation | None = None,
@@ -284,6 +308,11 @@ def heinsen_attention(
       first S - T keys are seen by every query, for T > S the first T - S queries see only
       ``initial_state``).
     key_value_seq_lengths: optional ``[B]`` ints; keys at or past it are ignored.
+    segment_ids: packed sequences, ``[B, T]`` ints that do not decrease along T
+      (T == S, ``is_causal=True``): the state is dropped where the id changes, so a
+      query sees only its own segment's keys; ``initial_state`` seeds each row's first
+      segment and the returned state is its last segment's. Their order is checked
+      only where concrete (not under ``jax.jit``).
     initial_state: a :class:`HeinsenState` of earlier keys, seen by every query.
     return_state: also return the state after all (valid) keys.
     implementation: ``"reference"`` (explicit weights, O(T·S·H)), ``"parallel"`` (one
@@ -325,12 +354,14 @@ def heinsen_attention(
   fn = "heinsen_attention"
   return recurrence.recurrent_attention(
       _FAMILY, query, key, value, is_causal=is_causal,
-      key_value_seq_lengths=key_value_seq_lengths, eps=0.0, implementation=implementation,
+      key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids, eps=0.0,
+      implementation=implementation,
       chunk_size=chunk_size, initial_state=initial_state,
       return_state=return_state, fn=fn)
 
 
-@checks.compiled("is_causal", "implementation", "chunk_size")
+@checks.compiled("is_causal", "implementation", "chunk_size",
+                 concrete_checks={"segment_ids": checks.check_segment_order})
 def log_heinsen_attention(
     query: ArrayLike,
     key: ArrayLike,
@@ -338,6 +369,7 @@ def log_heinsen_attention(
     *,
     is_causal: bool = False,
     key_value_seq_lengths: Any = None,
+    segment_ids: ArrayLike | None = None,
     implementation: LogHeinsenImplementation | None = None,
     chunk_size: int | None = None,
 ) -> jax.Array:
@@ -353,6 +385,11 @@ def log_heinsen_attention(
     log_value: ``[B, S, K, D]``, the log of positive values (``-inf`` for 0).
     is_causal: query t sees keys ``j <= t + S - T`` (bottom-right aligned).
     key_value_seq_lengths: optional ``[B]`` ints; keys at or past it are ignored.
+    segment_ids: packed sequences, ``[B, T]`` ints that do not decrease along T
+      (T == S, ``is_causal=True``): the state is dropped where the id changes, so a
+      query sees only its own segment's keys; ``initial_state`` seeds each row's first
+      segment and the returned state is its last segment's. Their order is checked
+      only where concrete (not under ``jax.jit``).
     implementation: ``"reference"`` (explicit weights), ``"parallel"`` (log-sums over the
       whole sequence at once, ``[max(T, S), N, H, D + 1]`` per batch entry), ``"chunked"``
       (``[C, N, H, D + 1]`` at a time), or None: ``"chunked"``.
@@ -386,10 +423,11 @@ def log_heinsen_attention(
   recurrence.check_chunk_size(chunk_size, form="log_value", fn=fn)  # Every form checks it.
   if implementation == "reference":
     return _oracle(query, key, log_value, fn=fn, log_space=True, is_causal=is_causal,
-                   key_value_seq_lengths=key_value_seq_lengths)
+                   key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids)
   return recurrence.recurrent_attention(
       _LogValues(), query, key, log_value, is_causal=is_causal,
-      key_value_seq_lengths=key_value_seq_lengths, implementation=implementation,
+      key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids,
+      implementation=implementation,
       chunk_size=chunk_size, initial_state=None, fn=fn)
 
 
@@ -473,9 +511,11 @@ def _init_state_like(query: Any, key: Any, value: Any) -> HeinsenState:
                             checks.accumulation_dtype(jnp.result_type(query)))
 
 
-def _summarize(key: Any, value: Any, *, key_value_seq_lengths: Any = None) -> HeinsenState:
+def _summarize(key: Any, value: Any, *, key_value_seq_lengths: Any = None,
+               segment_ids: Any = None) -> HeinsenState:
   """The :class:`HeinsenState` of ``key`` / ``value`` (the registry's ``summarize``)."""
   return recurrence.summarize_keys(heinsen_attention, key, value,
+                                   segment_ids=segment_ids,
                                    key_value_seq_lengths=key_value_seq_lengths)
 
 

@@ -56,6 +56,13 @@ Internal layout: query features ``[B, K, G, T, M|1]`` and log-scales
 ``[B, K, S, M']``; values ``[B, K, S, D]``: grouped queries share their
 key/value head's state. A size-1 feature axis broadcasts (Heinsen's φ = 1).
 
+Packed sequences (``chunk.reset``): a query's weights keep only its own
+segment's keys (``same_segment``) and the state only if no segment starts
+before it in the chunk (``carried``); a chunk's state is that of its last
+segment, and :func:`combine` takes a ``reset`` that drops the earlier state.
+The per-feature chunked form then reads every block through the exact path
+(rows of a later segment have maxima of their own).
+
 References:
   Katharopoulos et al., "Transformers are RNNs", 2020 (the recurrent form).
   Yang et al., "Gated Linear Attention Transformers with Hardware-Efficient
@@ -85,9 +92,13 @@ from linattn_jax._src.recurrence import (
   ChunkForm,
   Family,
   Start,
+  any_reset,
+  carried,
   check_state,
+  in_last_segment,
   layout,
   run_chunks,
+  same_segment,
   scan_tokens,
 )
 
@@ -132,7 +143,7 @@ class ReadConfig:
 
 
 def summarize(chunk: Chunk) -> Carry:
-  """The state of a chunk's S keys."""
+  """The state of a chunk's S keys (all of them: see :func:`summarize_span` for segments)."""
   m = jnp.max(lax.stop_gradient(chunk.lk), axis=-2)
   scale = jnp.exp(chunk.lk - exponent_shift(m)[..., None, :])  # [..., S, M']
   # One log-scale per key: an einsum, so that the gradient for the scale is a batched
@@ -144,18 +155,37 @@ def summarize(chunk: Chunk) -> Carry:
   return Carry(jnp.einsum("...sm,...sd->...md", e, chunk.v), jnp.sum(e, axis=-2), m)
 
 
-def combine(earlier: Carry, later: Carry) -> Carry:
-  """The state of ``earlier``'s keys followed by ``later``'s (associative; shapes broadcast)."""
-  m = lax.stop_gradient(jnp.maximum(earlier.running_max, later.running_max))
+def summarize_span(chunk: Chunk) -> tuple[Carry, jax.Array | None]:
+  """``(state, reset)`` of a span of keys: with segment starts in it (``chunk.reset``), the
+  state of its last segment's keys and ``reset [B, 1]`` True ("drop the state before,
+  then this"); else the state of all of them and None."""
+  if chunk.reset is None:
+    return summarize(chunk), None
+  last = in_last_segment(chunk.reset)[..., None]  # [B, 1, S, 1]
+  return (summarize(chunk._replace(lk=jnp.where(last, chunk.lk, -jnp.inf))),
+          any_reset(chunk.reset))
+
+
+def combine(earlier: Carry, later: Carry, reset: jax.Array | None = None) -> Carry:
+  """The state of ``earlier``'s keys followed by ``later``'s (associative; shapes broadcast).
+
+  ``reset`` (the shape of ``running_max`` without its last axis, broadcasting): where True,
+  ``later`` starts a new segment and ``earlier`` is dropped. With it, pairs ``(state,
+  reset)`` compose associatively as ``(combine(a, b, r_b), r_a | r_b)``.
+  """
+  earlier_max = earlier.running_max
+  if reset is not None:
+    earlier_max = jnp.where(reset[..., None], -jnp.inf, earlier_max)
+  m = lax.stop_gradient(jnp.maximum(earlier_max, later.running_max))
   shift = exponent_shift(m)
-  wa, wb = jnp.exp(earlier.running_max - shift), jnp.exp(later.running_max - shift)
+  wa, wb = jnp.exp(earlier_max - shift), jnp.exp(later.running_max - shift)
   return Carry(wa[..., None] * earlier.kv + wb[..., None] * later.kv,
                wa * earlier.k_sum + wb * later.k_sum, m)
 
 
 def _absorb(config: ReadConfig, carry: Carry, chunk: Chunk) -> Carry:
   del config
-  return combine(carry, summarize(chunk))
+  return combine(carry, *summarize_span(chunk))
 
 
 # Reading states -----------------------------------------------------------------
@@ -201,14 +231,20 @@ def exact_weights(config: ReadConfig, carry: Carry, chunk: Chunk, visible: jax.A
   ``a [B, K, G, T, S]`` weighs the keys (exact zeros where ``visible [T, S]``
   hides them; None: all visible) and ``cw [B, K, G, T, M]`` the state's
   features, so that ``num = a v + cw kv`` and, for a kernel read,
-  ``den = Σ_j a + cw·k_sum``.
+  ``den = Σ_j a + cw·k_sum``. With segment starts (``chunk.reset``; T == S
+  aligned) a query also sees only its own segment's keys, and the state only
+  if it is in the span's first segment.
   Per-feature log-scales form ``[T, S, M]`` exponentials: use on chunks.
   """
   fq, lq, fk = chunk.fq, chunk.lq, chunk.fk
   lk = chunk.lk[:, :, None]  # [B, K, 1, S, M']
+  state_max = carry.running_max[:, :, None]  # [B, K, 1, M']
+  if chunk.reset is not None:
+    same = same_segment(chunk.reset)  # [B, 1, T, S]
+    visible = same if visible is None else visible[None, None] & same
+    state_max = jnp.where(carried(chunk.reset)[..., None], state_max, -jnp.inf)  # [B, K, T, M']
   if visible is not None:
     lk = jnp.where(visible[..., None], lk, -jnp.inf)  # [B, K, T, S, M']
-  state_max = carry.running_max[:, :, None]  # [B, K, 1, M']
   m = jnp.maximum(state_max, jnp.max(lax.stop_gradient(lk), axis=-2))  # [B, K, T|1, M']
   shift = lax.stop_gradient(exponent_shift(m))
   e = jnp.exp(lk - shift[..., None, :])  # [B, K, T|1, S, M']; 0 where hidden.
@@ -287,7 +323,7 @@ def _chunk_masked(config: ReadConfig, carry: Carry, chunk: Chunk):
   log-scales this forms ``[C, C, M]`` exponentials: :func:`attend` runs those through
   :func:`_blocks_at_once` instead."""
   out = _exact_block(config, carry, chunk, causal(chunk.num_keys))
-  return combine(carry, summarize(chunk)), out
+  return _absorb(config, carry, chunk), out
 
 
 def _per_token(chunk: Chunk) -> Carry:
@@ -298,7 +334,7 @@ def _per_token(chunk: Chunk) -> Carry:
 
 def _chunk_scan(config: ReadConfig, carry: Carry, chunk: Chunk):
   def token(carry, one):  # One position: fields without the position axis.
-    carry = combine(carry, _per_token(one))
+    carry = combine(carry, _per_token(one), None if one.reset is None else one.reset[..., 0])
     return carry, readout(config, carry, one._replace(
         fq=one.fq[:, :, :, None], lq=one.lq[:, :, :, None]))[:, :, :, 0]
 
@@ -306,8 +342,17 @@ def _chunk_scan(config: ReadConfig, carry: Carry, chunk: Chunk):
 
 
 def _chunk_associative_scan(config: ReadConfig, carry: Carry, chunk: Chunk):
-  prefix = lax.associative_scan(combine, _per_token(chunk), axis=2)
-  states = combine(jax.tree.map(lambda x: x[:, :, None], carry), prefix)  # [B, K, C, ...]
+  start = jax.tree.map(lambda x: x[:, :, None], carry)
+  if chunk.reset is None:
+    prefix = lax.associative_scan(combine, _per_token(chunk), axis=2)
+    states = combine(start, prefix)  # [B, K, C, ...]
+  else:  # (state, reset) pairs: a segment start drops what came before it.
+    def compose(a, b):
+      return combine(a[0], b[0], b[1]), a[1] | b[1]
+
+    prefix, reset = lax.associative_scan(compose, (_per_token(chunk), chunk.reset[..., 0]),
+                                         axis=2)
+    states = combine(start, prefix, reset)
   return jax.tree.map(lambda x: x[:, :, -1], states), readout(config, states, chunk)
 
 
@@ -374,9 +419,11 @@ def _blocks_at_once(config: ReadConfig, carry: Carry, blocks: Chunk):
   instead of n small ones in a loop).
   """
   def step(state, summary):
-    return combine(state, summary), state
+    return combine(state, *summary), state
 
-  final, starts = lax.scan(step, carry, jax.vmap(summarize)(blocks))
+  final, starts = lax.scan(step, carry, jax.vmap(summarize_span)(blocks))
+  if blocks.reset is not None:  # Packed: rows of a later segment have their own maxima.
+    return final, _exact_blocks(config, starts, blocks)
   return final, _read_blocks(config, starts, blocks)
 
 
@@ -507,7 +554,8 @@ def combine_states(earlier: Any, later: Any) -> Any:
   Associative: ``combine_states(combine_states(a, b), c) == combine_states(a,
   combine_states(b, c))``, and combining the summaries of consecutive spans
   equals the summary of their concatenation. Both must be states of one
-  variant with the same shapes.
+  variant with the same shapes. Where ``later.reset`` is True (a summary of packed
+  keys holding a segment start) the result is ``later`` itself, its ``reset`` kept.
 
   Raises:
     ValueError: for states of different types, or a field whose shapes differ.
@@ -518,10 +566,18 @@ def combine_states(earlier: Any, later: Any) -> Any:
         f"combine: both states must be the same variant's state; got {cls.__name__} and "
         f"{type(later).__name__}.")
   for field in cls._fields:
+    if field == "reset":  # None, or [B] bool: None is "no segment start".
+      continue
     a, b = jnp.shape(getattr(earlier, field)), jnp.shape(getattr(later, field))
     if a != b:
       raise ValueError(f"combine: {cls.__name__}.{field} has shapes {a} and {b}.")
-  return from_carry(combine(as_carry(earlier), as_carry(later)), cls)
+  resets = [getattr(x, "reset", None) for x in (earlier, later)]
+  out = from_carry(combine(as_carry(earlier), as_carry(later),
+                           None if resets[1] is None else jnp.asarray(resets[1])[..., None]), cls)
+  if resets == [None, None]:
+    return out
+  return out._replace(reset=functools.reduce(
+      jnp.logical_or, [jnp.asarray(r) for r in resets if r is not None]))
 
 
 

@@ -78,6 +78,9 @@ class LinearState(NamedTuple):
   Attributes:
     kv: ``[B, K, M, D]``: ``Σ_j φ(k_j) v_jᵀ``.
     k_sum: ``[B, K, M]``: ``Σ_j φ(k_j)``.
+    reset: None, or ``[B]`` bool in a summary of packed keys (the registry's
+      ``summarize`` with ``segment_ids``): True where the keys hold a segment start,
+      so that ``combine`` drops the state before them. Ignored as ``initial_state``.
 
   Examples:
     >>> x = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))  # [B, T, N=K, H=D]
@@ -88,6 +91,7 @@ class LinearState(NamedTuple):
 
   kv: jax.Array  # [B, K, M, D]: Σ_j φ(k_j) v_jᵀ.
   k_sum: jax.Array  # [B, K, M]: Σ_j φ(k_j).
+  reset: Any = None  # None, or [B] bool (summaries of packed keys).
 
 
 class ImpliedWeights(NamedTuple):
@@ -168,6 +172,7 @@ def linear_attention(
     feature_map: FeatureMap = elu_plus_one,
     is_causal: bool = False,
     key_value_seq_lengths: Any = None,
+    segment_ids: ArrayLike | None = None,
     eps: float = DEFAULT_EPS,
     initial_state: LinearState | None = None,
     return_state: bool = False,
@@ -194,6 +199,11 @@ def linear_attention(
     is_causal: query t sees keys ``j <= t + S - T`` (bottom-right aligned).
     key_value_seq_lengths: optional ``[B]`` ints; keys at or past it count
       nowhere and do not advance the state.
+    segment_ids: packed sequences, ``[B, T]`` ints that do not decrease along T
+      (T == S, ``is_causal=True``): the state is dropped where the id changes, so a
+      query sees only its own segment's keys; ``initial_state`` seeds each row's first
+      segment and the returned state is its last segment's. Their order is checked
+      only where concrete (not under ``jax.jit``).
     eps: added to the normaliser (static float >= 0).
     initial_state: a :class:`LinearState` (``[B, K, M, D]``, ``[B, K, M]``;
       no B for unbatched calls) summarising earlier keys, which every query
@@ -240,7 +250,8 @@ def linear_attention(
   """
   return _linear_attention(
       query, key, value, feature_map=feature_map, is_causal=is_causal,
-      key_value_seq_lengths=key_value_seq_lengths, eps=eps, implementation=implementation,
+      key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids, eps=eps,
+      implementation=implementation,
       chunk_size=chunk_size, initial_state=initial_state, return_state=return_state,
       fn="linear_attention")
 
@@ -249,14 +260,16 @@ def _family(featurizer: kernel.Featurizer | None) -> kernel.KernelFamily:
   return kernel.KernelFamily(featurizer, "kernel", LinearState, IMPLEMENTATIONS)
 
 
-def _linear_attention(query, key, value, *, feature_map, is_causal, key_value_seq_lengths, eps,
-                      implementation, chunk_size, initial_state, return_state, fn: str):
+def _linear_attention(query, key, value, *, feature_map, is_causal, key_value_seq_lengths,
+                      segment_ids, eps, implementation, chunk_size, initial_state, return_state,
+                      fn: str):
   """:func:`linear_attention` and its reference, with errors naming ``fn``."""
   featurizer, arrays = _Plain.split(feature_map)
   family = _family(featurizer)
   return recurrence.recurrent_attention(
       family, query, key, value, arrays, is_causal=is_causal,
-      key_value_seq_lengths=key_value_seq_lengths, eps=eps, implementation=implementation,
+      key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids, eps=eps,
+      implementation=implementation,
       chunk_size=chunk_size, initial_state=initial_state,
       return_state=return_state, fn=fn)
 
@@ -269,6 +282,7 @@ def linear_attention_reference(
     feature_map: FeatureMap = elu_plus_one,
     is_causal: bool = False,
     key_value_seq_lengths: Any = None,
+    segment_ids: ArrayLike | None = None,
     eps: float = DEFAULT_EPS,
     initial_state: LinearState | None = None,
     return_state: bool = False,
@@ -288,6 +302,11 @@ def linear_attention_reference(
     feature_map: as in :func:`linear_attention`.
     is_causal: query t sees keys ``j <= t + S - T`` (bottom-right aligned).
     key_value_seq_lengths: optional ``[B]`` ints; keys at or past it count nowhere.
+    segment_ids: packed sequences, ``[B, T]`` ints that do not decrease along T
+      (T == S, ``is_causal=True``): the state is dropped where the id changes, so a
+      query sees only its own segment's keys; ``initial_state`` seeds each row's first
+      segment and the returned state is its last segment's. Their order is checked
+      only where concrete (not under ``jax.jit``).
     eps: added to the normaliser (static float >= 0).
     initial_state: a :class:`LinearState` ``[B, K, M, D]`` / ``[B, K, M]``
       summarising earlier keys, seen by every query.
@@ -314,7 +333,8 @@ def linear_attention_reference(
   """
   return _linear_attention(
       query, key, value, feature_map=feature_map, is_causal=is_causal,
-      key_value_seq_lengths=key_value_seq_lengths, eps=eps, implementation="reference",
+      key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids, eps=eps,
+      implementation="reference",
       chunk_size=None, initial_state=initial_state, return_state=return_state,
       fn="linear_attention_reference")
 
@@ -435,9 +455,10 @@ def _weights(query, key, *, feature_map: FeatureMap = elu_plus_one, is_causal: b
 
 
 def _summarize(key, value, *, feature_map: FeatureMap = elu_plus_one,
-               key_value_seq_lengths: Any = None) -> LinearState:
+               key_value_seq_lengths: Any = None, segment_ids: Any = None) -> LinearState:
   """The :class:`LinearState` of ``key`` / ``value`` (the registry's ``summarize``)."""
   return recurrence.summarize_keys(linear_attention, key, value, feature_map=feature_map,
+                                   segment_ids=segment_ids,
                                    key_value_seq_lengths=key_value_seq_lengths)
 
 

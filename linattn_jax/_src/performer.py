@@ -76,6 +76,9 @@ class PerformerState(NamedTuple):
     kv: ``[B, K, M, D]``: ``Σ_j exp(s_j - running_max) φ̃(k_j) v_jᵀ``.
     k_sum: ``[B, K, M]``: ``Σ_j exp(s_j - running_max) φ̃(k_j)``.
     running_max: ``[B, K]``: the largest ``s_j`` so far (``-inf`` before any key).
+    reset: None, or ``[B]`` bool in a summary of packed keys (the registry's
+      ``summarize`` with ``segment_ids``): True where the keys hold a segment start,
+      so that ``combine`` drops the state before them. Ignored as ``initial_state``.
 
   Examples:
     >>> w = feature_maps.orthogonal_random_projection(jax.random.key(1), 8, 4)  # [M, H]
@@ -90,6 +93,7 @@ class PerformerState(NamedTuple):
   kv: jax.Array  # [B, K, M, D]: Σ_j exp(s_j - running_max) φ̃(k_j) v_jᵀ.
   k_sum: jax.Array  # [B, K, M]: Σ_j exp(s_j - running_max) φ̃(k_j).
   running_max: jax.Array  # [B, K]: max of the keys' s_j so far (-inf before any key).
+  reset: Any = None  # None, or [B] bool (summaries of packed keys).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +119,7 @@ def performer_attention(
     kernel: str = "positive",
     is_causal: bool = False,
     key_value_seq_lengths: Any = None,
+    segment_ids: ArrayLike | None = None,
     eps: float = DEFAULT_EPS,
     initial_state: PerformerState | None = None,
     return_state: bool = False,
@@ -144,6 +149,11 @@ def performer_attention(
     is_causal: query t sees keys ``j <= t + S - T`` (bottom-right aligned).
     key_value_seq_lengths: optional ``[B]`` ints; keys at or past it count
       nowhere and do not advance the state.
+    segment_ids: packed sequences, ``[B, T]`` ints that do not decrease along T
+      (T == S, ``is_causal=True``): the state is dropped where the id changes, so a
+      query sees only its own segment's keys; ``initial_state`` seeds each row's first
+      segment and the returned state is its last segment's. Their order is checked
+      only where concrete (not under ``jax.jit``).
     eps: added to the stabilised normaliser (static float >= 0).
     initial_state: a :class:`PerformerState` summarising earlier keys (seen
       by every query); splitting a sequence and carrying it equals one pass
@@ -186,7 +196,7 @@ def performer_attention(
   """
   return _performer_attention(
       query, key, value, projection=projection, is_causal=is_causal,
-      key_value_seq_lengths=key_value_seq_lengths, kernel=kernel, eps=eps,
+      key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids, kernel=kernel, eps=eps,
       implementation=implementation, chunk_size=chunk_size, initial_state=initial_state,
       return_state=return_state, fn="performer_attention")
 
@@ -197,6 +207,7 @@ def _family(featurizer: Featurizer | None) -> KernelFamily:
 
 
 def _performer_attention(query, key, value, *, projection, is_causal, key_value_seq_lengths,
+                         segment_ids,
                          kernel, eps, implementation, chunk_size, initial_state, return_state,
                          fn: str):
   """:func:`performer_attention` and its reference, with errors naming ``fn``."""
@@ -204,7 +215,8 @@ def _performer_attention(query, key, value, *, projection, is_causal, key_value_
   family = _family(_LogScaled(_check_kernel(kernel, fn)))
   return recurrence.recurrent_attention(
       family, query, key, value, projection, is_causal=is_causal,
-      key_value_seq_lengths=key_value_seq_lengths, eps=eps, implementation=implementation,
+      key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids, eps=eps,
+      implementation=implementation,
       chunk_size=chunk_size, initial_state=initial_state,
       return_state=return_state, fn=fn)
 
@@ -218,6 +230,7 @@ def performer_attention_reference(
     kernel: str = "positive",
     is_causal: bool = False,
     key_value_seq_lengths: Any = None,
+    segment_ids: ArrayLike | None = None,
     eps: float = DEFAULT_EPS,
     initial_state: PerformerState | None = None,
     return_state: bool = False,
@@ -260,7 +273,7 @@ def performer_attention_reference(
   """
   return _performer_attention(
       query, key, value, projection=projection, is_causal=is_causal,
-      key_value_seq_lengths=key_value_seq_lengths, kernel=kernel, eps=eps,
+      key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids, kernel=kernel, eps=eps,
       implementation="reference", chunk_size=None, initial_state=initial_state,
       return_state=return_state, fn="performer_attention_reference")
 
@@ -385,10 +398,11 @@ def _init_like(query, key, value, *, projection: Any, kernel: str = "positive") 
 
 
 def _summarize(key, value, *, projection: Any, kernel: str = "positive",
-               key_value_seq_lengths: Any = None) -> PerformerState:
+               key_value_seq_lengths: Any = None, segment_ids: Any = None) -> PerformerState:
   """The :class:`PerformerState` of ``key`` / ``value`` (the registry's ``summarize``)."""
   return recurrence.summarize_keys(performer_attention, key, value, projection=projection,
-                                   kernel=kernel, key_value_seq_lengths=key_value_seq_lengths)
+                                   kernel=kernel, segment_ids=segment_ids,
+                                   key_value_seq_lengths=key_value_seq_lengths)
 
 
 def _weights(query, key, *, projection: Any, kernel: str = "positive", is_causal: bool = False,

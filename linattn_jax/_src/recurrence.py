@@ -23,6 +23,13 @@ public state, its chunk bodies); everything around that lives here once:
 Causal attention is bottom-right aligned (query t sees keys ``j <= t + S - T``;
 see ``masks.causal``) for every family.
 
+Packed sequences (``segment_ids``, causal, T == S) reach the families as
+``Chunk.reset``, True where a segment starts: inside a chunk a boundary masks the
+pairs across it and cuts the carried state off from the positions after it, and
+a span's summary holding one means "drop the state before, then this". The
+kernel families read ``reset`` in their bodies; the gated and delta-rule ones
+see it as a log-decay of ``RESET_LOG_DECAY`` there. One driver serves both.
+
 Internal layout: queries ``[B, K, G, T, ·]`` (grouped query heads share their
 key/value head's state), keys and per-token inputs ``[B, K, S, ·]``, values
 ``[B, K, S, D]``.
@@ -93,6 +100,7 @@ class Chunk(NamedTuple):
   lk: Any  # [B, K, S, M']: key log-scales (-inf for hidden keys).
   v: Any  # [B, K, S, D]: values (0 for hidden keys).
   gates: tuple[jax.Array, ...] = ()
+  reset: Any = None  # [B, 1, S, 1] bool: True where a key starts a new segment (None: none).
 
   @property
   def num_queries(self) -> int:
@@ -105,7 +113,7 @@ class Chunk(NamedTuple):
   def map(self, fn: Callable[[jax.Array, int], jax.Array]) -> Chunk:
     """``fn(array, position_axis)`` on every array (None fields stay None)."""
     return Chunk(*(jax.tree.map(lambda x, a=axis: fn(x, a), field)
-                   for field, axis in zip(self, (3, 3, 2, 2, 2, 2), strict=True)))
+                   for field, axis in zip(self, (3, 3, 2, 2, 2, 2, 2), strict=True)))
 
   def keys(self, start: int, stop: int) -> Chunk:
     """Keys ``start:stop`` and no queries."""
@@ -126,7 +134,8 @@ class Chunk(NamedTuple):
     pad_or_none = lambda x, fill: None if x is None else pad(x, fill)  # noqa: E731
     return self._replace(fk=pad_or_none(self.fk, 0), lk=pad_or_none(self.lk, -jnp.inf),
                          v=pad_or_none(self.v, 0),
-                         gates=jax.tree.map(lambda g: pad(g, 0), self.gates))
+                         gates=jax.tree.map(lambda g: pad(g, 0), self.gates),
+                         reset=pad_or_none(self.reset, False))
 
   def blocks(self, C: int) -> Chunk:
     """Every field cut into ``ceil(L / C)`` blocks of C positions, the block index first."""
@@ -150,6 +159,81 @@ def hide_padded(chunk: Chunk, x: jax.Array) -> jax.Array:
   """``x [B, K, S, ·]`` with 0 at padded keys (``lk = -inf``): a per-token input there is
   an identity step (no decay, no write)."""
   return jnp.where(chunk.lk == -jnp.inf, 0, x)
+
+# Packed sequences --------------------------------------------------------------------
+# A recurrence over packed segments drops its state where a segment starts: position t's
+# state holds the keys j <= t of t's own segment (and ``initial_state`` only for the first
+# segment of each row). Inside a span of positions (a chunk), with ``c_t`` the number of
+# segment starts up to t in the span, t and j <= t are in one segment iff ``c_t == c_j``,
+# and the state carried into the span reaches t iff ``c_t == 0``.
+
+# A log-decay that drops the state: exp(RESET_LOG_DECAY) is exactly 0 in float32 and float64.
+# The gated and delta-rule forms only ever sum log-decays over the steps between two
+# positions (never a difference of prefix sums), so a reset cancels nothing after it.
+RESET_LOG_DECAY = -1e4
+
+
+def segment_resets(ids: jax.Array) -> jax.Array:
+  """``[B, S]`` bool: True where ``ids [B, S]`` changes, i.e. where a new segment starts
+  (never at position 0: the first segment continues the initial state)."""
+  return jnp.concatenate([jnp.zeros_like(ids[:, :1], bool), ids[:, 1:] != ids[:, :-1]], axis=1)
+
+
+def segment_index(reset: jax.Array) -> jax.Array:
+  """``c [..., C]``: the segment starts up to each position of a span, from its ``reset
+  [..., C, 1]``."""
+  return jnp.cumsum(reset[..., 0].astype(jnp.int32), axis=-1)
+
+
+def same_segment(reset: jax.Array) -> jax.Array:
+  """``[..., C, C]``: whether positions i (rows) and j <= i of a span share a segment."""
+  c = segment_index(reset)
+  return c[..., :, None] == c[..., None, :]
+
+
+def carried(reset: jax.Array) -> jax.Array:
+  """``[..., C]``: whether the state carried into a span reaches each of its positions."""
+  return segment_index(reset) == 0
+
+
+def in_last_segment(reset: jax.Array) -> jax.Array:
+  """``[..., C]``: whether a key of the span is in its last segment (it reaches the state
+  after the span)."""
+  c = segment_index(reset)
+  return c == c[..., -1:]
+
+
+def any_reset(reset: jax.Array) -> jax.Array:
+  """``[...]``: whether the span holds a segment start (the state after it drops the one
+  before it)."""
+  return jnp.any(reset[..., 0], axis=-1)
+
+
+def check_segment_ids(segment_ids: Any, p: checks.Prepared, *, is_causal: bool,
+                      fn: str) -> jax.Array | None:
+  """``segment_ids`` of a recurrence as ``[B, S]`` int32 (None: not packed).
+
+  A recurrence carries each key to the queries at and after its own position, so it
+  takes one array (T == S) and a causal call; the pair of softmax's cross-attention is
+  refused, as are ``is_causal=False`` and T != S, each with a ValueError that says why.
+  """
+  if segment_ids is None:
+    return None
+  if isinstance(segment_ids, tuple | list):
+    raise ValueError(
+        f"{fn}: segment_ids must be one array [B, T]: a recurrence carries each key's "
+        "segment to the query at its own position, so queries and keys share one array; got "
+        f"a {type(segment_ids).__name__} of {len(segment_ids)} items.")
+  if not is_causal:
+    raise ValueError(
+        f"{fn}: segment_ids needs is_causal=True: the recurrent forms of this variant read "
+        "a state of the keys up to each query, not of every key of its segment.")
+  if p.dims.T != p.dims.S:
+    raise ValueError(
+        f"{fn}: segment_ids needs query length T equal to key length S (one packed "
+        f"sequence); got T={p.dims.T}, S={p.dims.S}.")
+  return checks.check_segment_ids(segment_ids, p, fn=fn)[1]
+
 
 # A body: (config, carry, chunk) -> (carry, out); an absorb: (config, carry, chunk) -> carry;
 # a read: (config, carry, chunk) -> out. See run_chunks.
@@ -279,15 +363,27 @@ def one_token_step(attention: Callable[..., Any], state, query, key, value, **op
   return new, jnp.squeeze(out, -3)
 
 
-def summarize_keys(attention: Callable[..., Any], key: Any, value: Any, **options) -> Any:
+def summarize_keys(attention: Callable[..., Any], key: Any, value: Any, *,
+                   segment_ids: Any = None, **options) -> Any:
   """The state of ``key [B, S, K, H]`` / ``value [B, S, K, D]`` under ``attention``.
 
   A causal pass of one query (bottom-right aligned, it sees every key) from
-  no state, with ``return_state``: the same state a prefill leaves.
+  no state, with ``return_state``: the same state a prefill leaves. Packed keys
+  (``segment_ids [B, S]``) take S queries (a recurrence's ids are its queries' too);
+  the state is then that of the last segment, and a state with a ``reset`` field
+  records whether the keys held a segment start (a gated summary records it in its
+  decays or transition instead).
   """
   key = jnp.asarray(key)
-  query = jnp.zeros(key.shape[:-3] + (1,) + key.shape[-2:], key.dtype)
+  length = 1 if segment_ids is None or key.ndim < 3 else key.shape[-3]
+  query = jnp.zeros(key.shape[:-3] + (length,) + key.shape[-2:], key.dtype)
+  if segment_ids is not None:
+    options["segment_ids"] = segment_ids
   _, state = attention(query, key, value, is_causal=True, return_state=True, **options)
+  if segment_ids is not None and "reset" in getattr(type(state), "_fields", ()):
+    ids = jnp.asarray(segment_ids)
+    reset = jnp.any(ids[..., 1:] != ids[..., :-1], axis=-1)
+    state = state._replace(reset=jnp.reshape(reset, key.shape[:-3]))
   return state
 
 
@@ -396,8 +492,9 @@ def check_chunk_size(chunk_size: int | None, *, form: ChunkForm = "kernel", fn: 
 def recurrent_attention(
     family: Family, query: Any, key: Any, value: Any, params: Any = (), *,
     inputs: Mapping[str, Any] | None = None, is_causal: bool, key_value_seq_lengths: Any,
-    eps: float = 0.0, scale: float | None = None, implementation: str | None,
-    chunk_size: int | None, initial_state: Any, return_state: bool = False, fn: str,
+    segment_ids: Any = None, eps: float = 0.0, scale: float | None = None,
+    implementation: str | None, chunk_size: int | None, initial_state: Any,
+    return_state: bool = False, fn: str,
 ) -> jax.Array | tuple[jax.Array, Any]:
   """The entry of every recurrent variant: ``out [B, T, N, D]``, or with ``return_state``
   the pair ``(out, final state)``.
@@ -408,10 +505,13 @@ def recurrent_attention(
   runs the family (:class:`Family`) and restores the public layout (and the missing
   batch axis of unbatched calls).
 
+  ``segment_ids`` (packed sequences, :func:`check_segment_ids`) drop the state where
+  a segment starts, inside the family's chunks (``Chunk.reset``).
+
   Raises:
     ValueError: for a non-bool ``is_causal`` or one the family does not support, an
       unknown or unsupported implementation, a bad ``chunk_size``, ``eps`` or ``scale``,
-      bad arrays or per-token inputs, or a state that does not match them.
+      bad arrays, per-token inputs or ``segment_ids``, or a state that does not match them.
   """
   is_causal = checks.check_static_bool(is_causal, name="is_causal", fn=fn)
   if not is_causal and not family.supports_noncausal:
@@ -426,8 +526,10 @@ def recurrent_attention(
   missing = [f"{x.name} {x.layout}" for x in declared if x.name not in inputs]
   if missing:
     raise ValueError(f"{fn}: missing the per-token input(s) {', '.join(missing)}.")
-  if declared:  # The arrays first, so that their errors come before the inputs'.
-    checks.prepare_qkv(query, key, value, fn=fn)
+  if declared or segment_ids is not None:  # The arrays first: their errors come first.
+    p = checks.prepare_qkv(query, key, value, fn=fn)
+    check_segment_ids(segment_ids, p, is_causal=is_causal, fn=fn)  # Their order, if concrete.
+  if declared:
     inputs = {x.name: x.check(inputs[x.name], jnp.shape(key), fn=fn) for x in declared}
   chunk_size = check_chunk_size(chunk_size, form=family.chunk_form(declared), fn=fn)
   if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or eps < 0:
@@ -435,18 +537,21 @@ def recurrent_attention(
   options = Options(is_causal, implementation, chunk_size, float(eps),
                     checks.check_scale(scale, fn=fn),
                     bool(return_state) and family.static_return_state)
-  out, state = _attention(query, key, value, key_value_seq_lengths, initial_state, params,
-                          inputs, family=family, options=options, fn=fn)
+  out, state = _attention(query, key, value, key_value_seq_lengths, segment_ids, initial_state,
+                          params, inputs, family=family, options=options, fn=fn)
   return (out, state) if return_state else out
 
 
 @functools.partial(jax.jit, static_argnames=("family", "options", "fn"))
-def _attention(query, key, value, lengths, state, params, inputs, *, family: Family,
-               options: Options, fn: str):
+def _attention(query, key, value, lengths, segment_ids, state, params, inputs, *,
+               family: Family, options: Options, fn: str):
   p = checks.prepare_qkv(query, key, value, fn=fn)
   (lengths,) = checks.check_lengths(p, fn=fn, key_value_seq_lengths=lengths).values()
   dtype = checks.accumulation_dtype(p.query.dtype)
   chunk = layout(p, lengths, dtype)
+  ids = check_segment_ids(segment_ids, p, is_causal=options.is_causal, fn=fn)
+  if ids is not None:
+    chunk = chunk._replace(reset=segment_resets(ids)[:, None, :, None])
   inputs = {x.name: _input_layout(x.check(inputs[x.name], jnp.shape(key), fn=fn), p, chunk, dtype)
             for x in family.token_inputs(inputs, key)}
   start = family.start(chunk, state, params, inputs, p, options, fn=fn)
@@ -503,4 +608,5 @@ def register_recurrent(name: str, *, family: Family, function: Callable[..., Any
       weights=None if weights is None else bind(weights),
       params=params,
       token_inputs=token_inputs,
+      packed_causal_only=True,
   ))

@@ -364,6 +364,11 @@ class AttentionSpec:
       implies, the magnitudes of the terms forming them, and the normaliser
       ``[B, N, T]``. Where the features are signed the normaliser can cancel;
       the shared suite then judges parity by each row's conditioning.
+    packed_causal_only: whether ``segment_ids`` (packed sequences; the function takes
+      them where its signature has them) are taken only with ``is_causal=True`` and
+      T == S, as one array: a recurrence carries each key's segment to the query at
+      its own position. False: any mode, and the pair ``(query_segment_ids,
+      kv_segment_ids)`` for T != S. Otherwise a ValueError says which.
 
   Examples:
     >>> spec = la.get_spec("performer")
@@ -400,6 +405,7 @@ class AttentionSpec:
   forms_weights: bool = False
   full_softmax: bool = False
   token_inputs: tuple[TokenInput, ...] = ()
+  packed_causal_only: bool = False
 
   def supports(self, implementation: str | None, is_causal: bool) -> bool:
     """Whether ``implementation`` supports this causal mode."""

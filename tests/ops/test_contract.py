@@ -97,7 +97,6 @@ VALUES = {
     "local_window_size": lambda spec: (2, 1),
     "causal_alignment": lambda spec: "top_left",
     "query_seq_lengths": lambda spec: jnp.array([3], jnp.int32),
-    "segment_ids": lambda spec: jnp.array([[0, 0, 1, 1, 1]], jnp.int32),  # TINY: T = S = 5.
     "key_value_seq_lengths": lambda spec: kv_lengths(TINY),
 }
 # Keywords judged by their own rule below, and the array options of a ParamSpec (given
@@ -105,11 +104,12 @@ VALUES = {
 SPECIAL = ("initial_state", "return_state", "return_residual")
 
 
-# Arguments passed by position too that have defaults (softmax's, after jax.nn's signature):
-# called by name at call time, and judged by the oracle called alike.
+# Arguments passed by position too that have defaults (softmax's, after jax.nn's signature),
+# and packed sequences: called by name at call time, and judged by the oracle called alike.
 CALL_ARRAYS = {
     "bias": lambda spec: 0.5 * jnp.tril(jnp.ones((TINY.T, TINY.S))),
     "mask": lambda spec: jnp.ones((TINY.T, TINY.S), bool).at[:, 0].set(False),
+    "segment_ids": lambda spec: jnp.array([[0, 0, 1, 1, 1]], jnp.int32),  # TINY: T = S = 5.
 }
 
 
@@ -186,7 +186,7 @@ def test_every_keyword_is_usable_with_a_non_default_value(spec, keyword):
   else:
     value = VALUES[keyword](spec)
     default = inspect.signature(spec.function).parameters[keyword].default
-    if keyword in ("key_value_seq_lengths", "query_seq_lengths", "segment_ids"):
+    if keyword in ("key_value_seq_lengths", "query_seq_lengths"):
       arrays[keyword] = value  # Traced under jit, as a caller's per-batch arrays are.
     else:
       assert not _same(value, default), f"{keyword}: {value!r} is the default"

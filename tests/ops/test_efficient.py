@@ -142,7 +142,7 @@ def test_causal_padded_keys_do_not_advance_the_state(impl):
   assert_close(padded[:, :n], cut, jnp.float32)
   # Rows past the length see exactly the n valid keys.
   assert_close(padded[:, n:], numpy_efficient(q[:, n:], k[:, :n], v[:, :n]), jnp.float32)
-  for got, want in zip(state, cut_state, strict=True):
+  for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(cut_state), strict=True):
     assert_close(got, want, jnp.float32)
 
 

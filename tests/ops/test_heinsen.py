@@ -101,7 +101,8 @@ def _exp_form_after_state(q, k, v, state):
   """Causal T == S attention after an initial state, in plain exponentials (no log space)."""
   G = q.shape[2] // k.shape[2]
   k, v = (jnp.repeat(x, G, axis=2) for x in (k, v))  # [B, S, N, ·]
-  kv, k_sum, running_max = (jnp.repeat(x, G, axis=1) for x in state)  # [B, N, H, ·]
+  # [B, N, H, ·]
+  kv, k_sum, running_max = (jnp.repeat(x, G, axis=1) for x in jax.tree.leaves(state))
   a = jnp.einsum("btnh,bsnh->btsn", jnp.exp(q), jnp.exp(k)) * jnp.tril(
       jnp.ones((q.shape[1], k.shape[1])))[None, ..., None]
   num = jnp.einsum("btsn,bsnd->btnd", a, v) + jnp.einsum(
@@ -118,10 +119,10 @@ def test_gradients_with_an_initial_state(impl):
   v = v.at[:, 0].set(jnp.abs(v[:, 0]) + 0.5).at[:, 1].set(-jnp.abs(v[:, 1]) - 0.5)
   v = v.at[:, cut:].set(_signed_values_with_zeros(shape)[:, cut:])
   _, state = _call(impl, q[:, :cut], k[:, :cut], v[:, :cut], is_causal=True, return_state=True)
-  assert all(np.all(np.isfinite(x)) for x in state)
+  assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(state))
   tail = (q[:, cut:], k[:, cut:], v[:, cut:])
   fast = lambda q, k, v, state: _call(impl, q, k, v, is_causal=True,  # noqa: E731
-                                      initial_state=la.HeinsenState(*state))
+                                      initial_state=state)
   ct = cotangent(fast(*tail, state))
 
   def grads(f):
@@ -201,7 +202,7 @@ def test_padded_keys_do_not_advance_the_state(impl):
   _, padded = _call(impl, q, k, v, is_causal=True, return_state=True,
                     key_value_seq_lengths=jnp.asarray([9, 4]))
   _, truncated = _call(impl, q[1:, :4], k[1:, :4], v[1:, :4], is_causal=True, return_state=True)
-  for got, want in zip(padded, truncated, strict=True):
+  for got, want in zip(jax.tree.leaves(padded), jax.tree.leaves(truncated), strict=True):
     np.testing.assert_allclose(got[1:], want, rtol=1e-6, atol=1e-6)
 
 
@@ -217,11 +218,11 @@ def test_state_passing_in_pieces_equals_one_pass(impl, cuts):
                        initial_state=state, return_state=True)
     outs.append(out)
   assert_close(jnp.concatenate(outs, axis=1), whole, jnp.float32)
-  for got, want in zip(state, final, strict=True):
+  for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(final), strict=True):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
   # The non-causal pass ends in the same state; a fresh state is empty.
   _, full_state = _call(impl, q, k, v, is_causal=False, return_state=True)
-  for got, want in zip(full_state, final, strict=True):
+  for got, want in zip(jax.tree.leaves(full_state), jax.tree.leaves(final), strict=True):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
   empty = la.init_heinsen_state(shape.B, shape.K, shape.H, shape.D)
   assert np.all(empty.kv == 0) and np.all(empty.k_sum == 0)

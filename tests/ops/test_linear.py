@@ -82,7 +82,7 @@ def test_causal_forms_match_reference_with_state_and_padding(implementation, chu
                                    chunk_size=chunk_size, **options)
   want, want_state = la.linear_attention_reference(q, k, v, **options)
   assert_close(out, want, jnp.float32)
-  for got, ref in zip(state, want_state, strict=True):
+  for got, ref in zip(jax.tree.leaves(state), jax.tree.leaves(want_state), strict=True):
     assert_close(got, ref, jnp.float32)
 
 
@@ -119,7 +119,7 @@ def test_padded_keys_do_not_advance_the_state(implementation):
                  return_state=True)
   _, padded = la.linear_attention(q, k, v, key_value_seq_lengths=jnp.array([4]), **options)
   _, short = la.linear_attention(q[:, :4], k[:, :4], v[:, :4], **options)
-  for got, want in zip(padded, short, strict=True):
+  for got, want in zip(jax.tree.leaves(padded), jax.tree.leaves(short), strict=True):
     assert_close(got, want, jnp.float32)
 
 

@@ -171,7 +171,7 @@ def test_step_with_explicit_projection_matches_causal_pass(kernel):
   want, want_state = la.performer_attention(q, k, v, projection=w, kernel=kernel,
                                             is_causal=True, return_state=True)
   assert_close(outs.swapaxes(0, 1), want, jnp.float32)
-  for got, ref in zip(state, want_state, strict=True):
+  for got, ref in zip(jax.tree.leaves(state), jax.tree.leaves(want_state), strict=True):
     assert_close(got, ref, jnp.float32)
 
 

@@ -34,6 +34,7 @@ import jax.test_util
 import numpy as np
 import pytest
 from _helpers import (
+  CONDITIONING_FACTOR,
   SHAPES,
   TINY,
   Shape,
@@ -44,13 +45,16 @@ from _helpers import (
   assert_stress_output_matches_oracle,
   build,
   cotangent,
+  gradient_sensitivity,
   has_custom_vjp,
   kv_lengths,
   make_qkv,
   output_and_gradients_program,
   same_program,
+  signed_weights,
   spec_cases,
   suite_options,
+  unit_roundoff,
 )
 
 from linattn_jax._src.registry import accepted
@@ -316,7 +320,13 @@ def _summaries(spec, k, v, lengths):
 def _assert_states_close(got, want, err_msg):
   """Field by field, relative to each field's scale (the units are the running max)."""
   for field, g, w in zip(type(want)._fields, got, want, strict=True):
+    if w is None:  # A state's reset flag outside packed summaries.
+      assert g is None, f"{err_msg} {field}: {g}"
+      continue
     w = np.asarray(w)
+    if w.dtype == bool:  # A summary's reset flag.
+      np.testing.assert_array_equal(g, w, err_msg=f"{err_msg} {field}")
+      continue
     scale = np.max(np.abs(np.where(np.isfinite(w), w, 0)), initial=1e-30)
     np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5 * scale, err_msg=f"{err_msg} {field}")
 
@@ -342,6 +352,43 @@ def test_summaries_of_spans_combine_associatively_into_the_summary_of_all(spec):
   _assert_states_close(left, right, "associativity:")
   _assert_states_close(left, whole, "combined summaries vs one summary:")
   assert_matches_oracle(out, spec, q, k, v, is_causal=True, lengths=lengths)
+
+
+# Segment starts at 4 (inside span a) and 10 (inside span c); span b holds none.
+SPAN_IDS = np.array([[0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 2, 2, 2]] * 2, np.int32)
+
+
+@recurrent_spec_param
+def test_packed_summaries_compose_across_segment_starts_and_calls_continue(spec):
+  """A span holding a segment start summarises to "drop the state, then this": summaries
+  of packed spans combine into the packed summary of all of them, and a packed call from
+  the combined state of the spans before it (``initial_state``, which seeds its first
+  segment) continues the one packed call."""
+  combine = spec.streaming.combine
+  q, k, v, lengths = _span_inputs(spec)
+  fast, _ = build(spec, None)
+  ids = jnp.asarray(SPAN_IDS)
+  summarize = functools.partial(spec.streaming.summarize,
+                                **accepted(spec.streaming.summarize, suite_options(spec)))
+
+  @jax.jit
+  def run(q, k, v, ids):
+    a, b, c = (summarize(k[:, s:e], v[:, s:e], segment_ids=ids[:, s:e],
+                         key_value_seq_lengths=jnp.clip(lengths - s, 0, e - s))
+               for s, e in SPANS)
+    whole = summarize(k, v, segment_ids=ids, key_value_seq_lengths=lengths)
+    left, right = combine(combine(a, b), c), combine(a, combine(b, c))
+    one = fast(q, k, v, is_causal=True, segment_ids=ids, key_value_seq_lengths=lengths)
+    tail = fast(q[:, 9:], k[:, 9:], v[:, 9:], is_causal=True, initial_state=combine(a, b),
+                segment_ids=ids[:, 9:], key_value_seq_lengths=jnp.clip(lengths - 9, 0, 4))
+    return left, right, whole, one, tail
+
+  left, right, whole, one, tail = run(q, k, v, ids)
+  chex.assert_trees_all_equal_structs(left, whole)
+  _assert_states_close(left, right, "associativity:")
+  _assert_states_close(left, whole, "combined packed summaries vs one packed summary:")
+  scale = np.max(np.abs(np.asarray(one)))
+  np.testing.assert_allclose(tail, one[:, 9:], rtol=2e-5, atol=2e-5 * scale)
 
 
 @recurrent_spec_param
@@ -508,10 +555,33 @@ def _one_segment_at_a_time(fast, is_causal, q_ids, kv_ids, lengths):
   return run
 
 
+def _separate_sensitivity(spec, is_causal, q, k, v, ids, lengths, ct):
+  """For signed weights (random Fourier features, whose normalisers can cancel): each
+  segment's :func:`gradient_sensitivity` run alone, ``Σ_p |∂g/∂p|`` per gradient element
+  (float64), the conditioning two correct float32 programs' gradients may differ by;
+  zeros for the other variants."""
+  zeros = [np.zeros(x.shape) for x in (q, k, v)]
+  what = spec.what_options(suite_options(spec))
+  if spec.weights is None or not signed_weights(spec.weights(
+      q, k, is_causal=is_causal, key_value_seq_lengths=jnp.asarray(lengths), **what)):
+    return zeros
+  with jax.enable_x64(True):
+    for b in range(q.shape[0]):
+      for _, a, z in _spans(ids[b]):
+        cut = lambda x, a=a, z=z, b=b: jnp.asarray(x[b:b + 1, a:z], jnp.float64)  # noqa: E731
+        n = jnp.asarray([np.clip(lengths[b] - a, 0, z - a)], jnp.int32)
+        parts = gradient_sensitivity(spec, what, cut(q), cut(k), cut(v), is_causal=is_causal,
+                                     lengths=n, ct=cut(ct))
+        for whole, part in zip(zeros, parts, strict=True):
+          whole[b:b + 1, a:z] = np.asarray(part)
+  return zeros
+
+
 def _assert_packed_equals_separate(fast, is_causal, q, k, v, segment_ids, q_ids, kv_ids,
-                                   lengths, err_msg):
+                                   lengths, err_msg, spec=None):
   """Output and gradients of ``Σ ct·out`` of one packed call, jitted and eager, equal
-  those of the segments run one at a time."""
+  those of the segments run one at a time (with ``spec``'s signed weights, within twice
+  the conditioning of each segment's gradients: both are float32 programs)."""
   def packed(q, k, v, segment_ids, lengths):
     return fast(q, k, v, is_causal=is_causal, key_value_seq_lengths=lengths,
                 segment_ids=segment_ids)
@@ -524,9 +594,14 @@ def _assert_packed_equals_separate(fast, is_causal, q, k, v, segment_ids, q_ids,
                          q, k, v)
   np.testing.assert_allclose(got, eager, rtol=1e-5, atol=1e-6, err_msg=err_msg)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=err_msg)
-  for g, w, name in zip(got_vjp(ct), want_vjp(ct), "qkv", strict=True):
+  sensitivity = ([np.zeros(x.shape) for x in (q, k, v)] if spec is None else
+                 _separate_sensitivity(spec, is_causal, q, k, v, q_ids, lengths, ct))
+  gamma = 2 * CONDITIONING_FACTOR * unit_roundoff(jnp.float32)
+  for g, w, s, name in zip(got_vjp(ct), want_vjp(ct), sensitivity, "qkv", strict=True):
     assert np.all(np.isfinite(g)), f"{err_msg}: d{name} not finite"
-    np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5, err_msg=f"{err_msg}: d{name}")
+    np.testing.assert_array_less(np.abs(np.asarray(g) - w),
+                                 1e-5 + 1e-4 * np.abs(w) + gamma * s + 1e-12,
+                                 err_msg=f"{err_msg}: d{name}")
 
 
 @segment_case_param
@@ -541,8 +616,12 @@ def test_packed_call_equals_each_segment_run_alone(case, is_causal):
     return
   q, k, v = make_qkv(PACKED)
   ids = jnp.asarray(PACKED_IDS)
+  if spec.packed_causal_only and not is_causal:  # A recurrence reads its prefix only.
+    with pytest.raises(ValueError, match="segment_ids needs is_causal=True"):
+      fast(q, k, v, is_causal=False, segment_ids=ids)
+    return
   _assert_packed_equals_separate(fast, is_causal, q, k, v, ids, PACKED_IDS, PACKED_IDS,
-                                 PACKED_LENGTHS, f"{case.id} causal={is_causal}")
+                                 PACKED_LENGTHS, f"{case.id} causal={is_causal}", spec)
 
 
 @segment_case_param
@@ -556,6 +635,10 @@ def test_packed_cross_attention_takes_the_pair_of_ids(case):
   q, k, v = make_qkv(shape)
   q_ids = np.array([[0, 0, 2, 2, 2, 4], [5] * 6], np.int32)  # Segment 4 has no key.
   pair = (jnp.asarray(q_ids), jnp.asarray(PACKED_IDS))
+  if spec.packed_causal_only:  # One array, T == S: the pair is refused, saying why.
+    with pytest.raises(ValueError, match="segment_ids must be one array"):
+      fast(q, k, v, is_causal=spec.supports(impl, True), segment_ids=pair)
+    return
   _assert_packed_equals_separate(fast, False, q, k, v, pair, q_ids, PACKED_IDS,
                                  PACKED_LENGTHS, f"{case.id} pair")
 
@@ -567,23 +650,34 @@ def test_bad_segment_ids_raise_value_errors_naming_the_argument(case):
   q, k, v = make_qkv(PACKED)
   ids = jnp.asarray(PACKED_IDS)
 
+  mode = {"is_causal": True} if spec.packed_causal_only else {}
+  if spec.packed_causal_only and not spec.supports(impl, True):  # A non-causal-only form.
+    with pytest.raises(ValueError, match="segment_ids needs is_causal=True"):
+      fast(q, k, v, segment_ids=ids)
+    return
+
   def raises(match, segment_ids, q=q, k=k, v=v):
     with pytest.raises(ValueError, match=match):
-      fast(q, k, v, segment_ids=segment_ids)
+      fast(q, k, v, segment_ids=segment_ids, **mode)
 
   raises(r"segment_ids must be integers.*float32", ids.astype(jnp.float32))
   raises(r"segment_ids must have shape.*\(2, 11\); got \(2, 10\)", ids[:, :10])
   raises(r"segment_ids must have shape.*got \(11,\)", ids[0])
   raises(r"segment_ids must not decrease.*\(2, 11\)", ids[:, ::-1])
-  raises(r"T=6 differs from key length S=11.*pair.*\(2, 6\)", ids[:, :6], q=q[:, :6])
-  np.testing.assert_array_equal(fast(q, k, v, segment_ids=(ids, ids)),  # The pair, T == S.
-                                fast(q, k, v, segment_ids=ids))
-  raises(r"query_segment_ids.*shape.*\(2, 6\); got \(2, 11\)", (ids, ids), q=q[:, :6])
-  raises(r"kv_segment_ids.*integers", (ids[:, :6], ids.astype(jnp.float32)), q=q[:, :6])
-  raises(r"pair.*3 items", (ids, ids, ids))
+  if spec.packed_causal_only:
+    raises(r"segment_ids needs query length T equal to key length S.*T=6, S=11", ids[:, :6],
+           q=q[:, :6])
+    raises(r"segment_ids must be one array.*tuple of 2", (ids, ids))
+  else:
+    raises(r"T=6 differs from key length S=11.*pair.*\(2, 6\)", ids[:, :6], q=q[:, :6])
+    np.testing.assert_array_equal(fast(q, k, v, segment_ids=(ids, ids)),  # The pair, T == S.
+                                  fast(q, k, v, segment_ids=ids))
+    raises(r"query_segment_ids.*shape.*\(2, 6\); got \(2, 11\)", (ids, ids), q=q[:, :6])
+    raises(r"kv_segment_ids.*integers", (ids[:, :6], ids.astype(jnp.float32)), q=q[:, :6])
+    raises(r"pair.*3 items", (ids, ids, ids))
   # Under jit the values are unknown: shapes and dtypes are still checked.
   with pytest.raises(ValueError, match="segment_ids must be integers"):
-    jax.jit(lambda ids: fast(q, k, v, segment_ids=ids))(ids.astype(jnp.float32))
+    jax.jit(lambda ids: fast(q, k, v, segment_ids=ids, **mode))(ids.astype(jnp.float32))
 
 
 # 6. Errors -------------------------------------------------------------------

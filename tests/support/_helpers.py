@@ -446,7 +446,7 @@ def assert_stress_output_matches_oracle(got, spec, q, k, v, *, is_causal, length
   dtype = jnp.dtype(q.dtype)
   if spec.weights is not None:
     want, weights = oracle_output(spec, {}, q, k, v, is_causal, lengths)
-    if _signed(weights):
+    if signed_weights(weights):
       _assert_within(got, want, conditioning_bound(weights, v, want, dtype), dtype, "output",
                      err_msg)
       return
@@ -473,7 +473,9 @@ def assert_stress_output_matches_oracle(got, spec, q, k, v, *, is_causal, length
 # features it is below the fixed table, so only signed weights pay for it.
 
 
-def _signed(weights) -> bool:
+def signed_weights(weights) -> bool:
+  """Whether a kernel variant's ``ImpliedWeights`` hold terms of both signs (their
+  normalisers can cancel: judged by conditioning)."""
   return bool(np.any(np.asarray(weights.magnitudes)
                      > np.abs(np.asarray(weights.weights)) * (1 + 1e-9)))
 
@@ -536,7 +538,7 @@ def oracle_output_and_gradients(spec, options, q, k, v, is_causal, lengths, ct,
   with jax.enable_x64(True):
     q, k, v, ct = (jnp.asarray(x, jnp.float64) for x in (q, k, v, ct))
     out, grads, weights = run(q, k, v, lengths, ct)
-    if with_sensitivity and _signed(weights):
+    if with_sensitivity and signed_weights(weights):
       sensitivity = _oracle_program(
           spec, what, "sensitivity", is_causal,
           lambda: lambda q, k, v, lengths, ct: gradient_sensitivity(

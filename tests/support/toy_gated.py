@@ -106,24 +106,25 @@ class ToyFamily(gated.MatrixFamily):
 
 
 def toy_attention(query, key, value, *, log_decay, beta, scale=None, is_causal=False,
-                  key_value_seq_lengths=None, initial_state=None, return_state=False,
-                  implementation=None, chunk_size=None):
+                  key_value_seq_lengths=None, segment_ids=None, initial_state=None,
+                  return_state=False, implementation=None, chunk_size=None):
   """The toy recurrence (module docstring) on the entry pipeline."""
   return recurrence.recurrent_attention(
       ToyFamily(), query, key, value, inputs={"log_decay": log_decay, "beta": beta},
       scale=scale, is_causal=is_causal, key_value_seq_lengths=key_value_seq_lengths,
-      initial_state=initial_state, return_state=return_state, implementation=implementation,
-      chunk_size=chunk_size, fn="toy_attention")
+      segment_ids=segment_ids, initial_state=initial_state, return_state=return_state,
+      implementation=implementation, chunk_size=chunk_size, fn="toy_attention")
 
 
 def toy_attention_reference(query, key, value, *, log_decay, beta, scale=None, is_causal=False,
-                            key_value_seq_lengths=None, initial_state=None, return_state=False,
-                            chunk_size=None):
+                            key_value_seq_lengths=None, segment_ids=None, initial_state=None,
+                            return_state=False, chunk_size=None):
   """Its oracle: the recurrence written out, token by token."""
   return toy_attention(query, key, value, log_decay=log_decay, beta=beta, scale=scale,
                        is_causal=is_causal, key_value_seq_lengths=key_value_seq_lengths,
-                       initial_state=initial_state, return_state=return_state,
-                       implementation="reference", chunk_size=chunk_size)
+                       segment_ids=segment_ids, initial_state=initial_state,
+                       return_state=return_state, implementation="reference",
+                       chunk_size=chunk_size)
 
 
 def toy_attention_step(state, query, key, value, *, log_decay, beta, scale=None):
@@ -139,10 +140,12 @@ def _identity(key, value):
   return la.GatedSummary(kv, jnp.zeros_like(kv, shape=lead + kv.shape[-3:-2]))
 
 
-def _summarize(key, value, *, log_decay, beta, key_value_seq_lengths=None, chunk_size=None):
+def _summarize(key, value, *, log_decay, beta, key_value_seq_lengths=None, chunk_size=None,
+               segment_ids=None):
   return recurrence.summarize_keys(toy_attention, key, value, log_decay=log_decay, beta=beta,
                                    initial_state=_identity(key, value), chunk_size=chunk_size,
-                                   key_value_seq_lengths=key_value_seq_lengths)
+                                   key_value_seq_lengths=key_value_seq_lengths,
+                                   segment_ids=segment_ids)
 
 
 def register() -> None:
