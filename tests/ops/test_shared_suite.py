@@ -536,9 +536,22 @@ def _spans(ids):
   return [(ids[a], a, b) for a, b in zip(starts, starts[1:] + [len(ids)], strict=True)]
 
 
+def _segments(q_ids, kv_ids, lengths):
+  """``[(b, rows, keys, n)]``: each query segment of each row, the slice of its rows, the
+  slice of its keys and its count of unpadded keys (``keys`` None: no key has its id)."""
+  out = []
+  for b in range(len(q_ids)):
+    keys = {i: (a, z) for i, a, z in _spans(kv_ids[b])}
+    for i, a, z in _spans(q_ids[b]):
+      ka, kz = keys.get(i, (0, 0))
+      out.append((b, slice(a, z), slice(ka, kz) if i in keys else None,
+                  int(np.clip(lengths[b] - ka, 0, kz - ka))))
+  return out
+
+
 def _alone(spec, fast, is_causal, T, S):
   """``(q, k, v, rows, keys, lengths) -> out``: one segment's queries ``rows`` (a slice of
-  the call's T) against its keys ``keys`` (of S), in a call of their own.
+  the call's T) against its keys ``keys`` (of S), on their own.
 
   Through ``fast`` itself, unless the variant's pattern is tied to positions (it has a
   ``dense_mask``: strided's columns, block grids, global and random positions stay where
@@ -559,25 +572,45 @@ def _alone(spec, fast, is_causal, T, S):
   return run
 
 
-def _one_segment_at_a_time(alone, q_ids, kv_ids, lengths):
-  """``(q, k, v) -> out``: each segment's queries against its own keys run ``alone`` (keys
-  past ``lengths`` masked there too), concatenated; a query whose segment has no key is
-  zeros."""
+def _one_segment_at_a_time(spec, fast, is_causal, q, k, q_ids, kv_ids, lengths):
+  """``(q, k, v) -> out``: each segment's queries against its own keys (keys past
+  ``lengths`` masked there too), concatenated; a query whose segment has no key is zeros.
+
+  A pattern tied to positions runs each segment through :func:`_alone`. Otherwise the
+  segments are the rows of one call of ``fast``, each padded at its end to the longest
+  (queries) and hidden there (keys, by ``key_value_seq_lengths``): a segment's queries
+  see exactly its keys, causal ones too, and one program serves them all.
+  """
+  segments = [x for x in _segments(q_ids, kv_ids, lengths) if x[2] is not None]
+  if spec.dense_mask is not None:
+    alone = _alone(spec, fast, is_causal, q.shape[1], k.shape[1])
+    solo = lambda q, k, v: [alone(q[b:b + 1, r], k[b:b + 1, c], v[b:b + 1, c], r, c,  # noqa: E731
+                                  jnp.asarray([n], jnp.int32))[0]
+                            for b, r, c, n in segments]
+  else:
+    rows = max(r.stop - r.start for _, r, _, _ in segments)
+    keys = max(c.stop - c.start for _, _, c, _ in segments)
+    n = jnp.asarray([n for *_, n in segments], jnp.int32)
+    pad = lambda x, s, b, size: jnp.pad(x[b, s], [(0, size - (s.stop - s.start))]  # noqa: E731
+                                        + [(0, 0)] * (x.ndim - 2))
+
+    def solo(q, k, v):
+      qs = jnp.stack([pad(q, r, b, rows) for b, r, _, _ in segments])
+      ks, vs = (jnp.stack([pad(x, c, b, keys) for b, _, c, _ in segments]) for x in (k, v))
+      out = _call(fast, qs, ks, vs, is_causal, n)
+      return [out[i, :r.stop - r.start] for i, (_, r, _, _) in enumerate(segments)]
+
   def run(q, k, v):
-    rows = []
+    outs = iter(solo(q, k, v))
+    placed = {(b, r.start): r for b, r, _, _ in segments}
+    result = []
     for b in range(q.shape[0]):
-      keys = {i: (a, z) for i, a, z in _spans(kv_ids[b])}
       parts = []
-      for i, a, z in _spans(q_ids[b]):
-        if i not in keys:
-          parts.append(jnp.zeros((1, z - a) + q.shape[2:3] + v.shape[3:], q.dtype))
-          continue
-        ka, kz = keys[i]
-        n = np.clip(lengths[b] - ka, 0, kz - ka)[None]
-        parts.append(alone(q[b:b + 1, a:z], k[b:b + 1, ka:kz], v[b:b + 1, ka:kz],
-                           slice(a, z), slice(ka, kz), jnp.asarray(n, jnp.int32)))
-      rows.append(jnp.concatenate(parts, axis=1))
-    return jnp.concatenate(rows, axis=0)
+      for _, a, z in _spans(q_ids[b]):
+        parts.append(next(outs) if (b, a) in placed else
+                     jnp.zeros((z - a,) + q.shape[2:3] + v.shape[3:], q.dtype))
+      result.append(jnp.concatenate(parts, axis=0))
+    return jnp.stack(result)
   return run
 
 
@@ -612,8 +645,7 @@ def _assert_packed_equals_separate(spec, fast, is_causal, q, k, v, segment_ids, 
     return fast(q, k, v, is_causal=is_causal, key_value_seq_lengths=lengths,
                 segment_ids=segment_ids)
 
-  alone = _alone(spec, fast, is_causal, q.shape[1], k.shape[1])
-  separate = _one_segment_at_a_time(alone, q_ids, kv_ids, lengths)
+  separate = _one_segment_at_a_time(spec, fast, is_causal, q, k, q_ids, kv_ids, lengths)
   want, want_vjp = jax.vjp(separate, q, k, v)
   ct = cotangent(want)
   eager = packed(q, k, v, segment_ids, lengths)
