@@ -22,7 +22,11 @@ are split along T with the keys. The device then runs the variant's own
 causal pass over its tokens from that prefix (``initial_state``).
 Non-causal attention reads the state of all keys: the last device's
 inclusive prefix, broadcast with a ``psum``, read by a causal pass with the
-local keys hidden (they are in it already).
+local keys hidden (they are in it already). Packed sequences (causal,
+``segment_ids``): a summary of a span holding a boundary means "start afresh,
+then these keys", so ``combine`` composes across boundaries; a boundary at a
+device's first token travels beside the summary as a flag per row (a
+segmented scan), and that device starts its own pass from the empty state.
 
 **Exact softmax** (:func:`ring_attention`). Keys and values travel around
 the ring (``ppermute`` to device ``i + 1``) in P - 1 steps; each step's
@@ -38,7 +42,10 @@ is cut into 2P chunks and device i holds chunks i and 2P - 1 - i. At the
 step where it holds device j's keys, j < i: both its chunks see j's first
 chunk in full; j > i: only its second chunk sees both of j's chunks in full.
 Either way a step costs two chunk-by-chunk blocks and masks nothing; blocks
-that are fully masked are never computed.
+that are fully masked are never computed. Packed sequences (``segment_ids``)
+keep to this plan: the key ids travel with their keys, and a block whose
+queries and keys share no segment (told by the first and last ids of each,
+as the ids do not decrease) is skipped.
 
 Both are differentiable; collectives carry states (recurrent) or key/value
 blocks (ring), never the queries or outputs.
@@ -122,14 +129,20 @@ def _prepare(query, key, value, lengths, *, fn: str):
 
 
 def _sharded(local: Any, p: checks.Prepared, lengths: jax.Array, replicated: Any, *,
-             mesh: Mesh, axis_name: Any, zigzag: bool, per_token: Any = ()) -> jax.Array:
-  """``local(q, k, v, lengths, replicated, per_token)`` with T split over ``axis_name``.
+             mesh: Mesh, axis_name: Any, zigzag: bool, per_token: Any = (),
+             segment_ids: Any = None) -> jax.Array:
+  """``local(q, k, v, lengths, replicated, per_token, segment_ids)`` with T split over
+  ``axis_name``.
 
   Returns the output. T is padded at its end to a multiple of P (2P in
   zig-zag order: each device's block is reordered to it by :func:`_reorder`,
   and the output back); ``per_token`` (a pytree of ``[B, T, ...]`` arrays)
   is split and padded with the keys, ``replicated`` goes to every device
-  whole. ``shard_map`` is manual over ``axis_name`` only: other
+  whole. ``segment_ids`` (a pytree of ``[B, T]`` ints: None, one array or the
+  pair ``(query_ids, kv_ids)``) are split and reordered like the keys but
+  padded with their last id, so that they keep not decreasing (the padding is
+  hidden by ``lengths`` anyway).
+  ``shard_map`` is manual over ``axis_name`` only: other
   mesh axes stay automatic, so a batch sharded over them stays so. On a mesh
   whose axes are Explicit, this runs under ``jax.sharding.auto_axes``, and
   the output keeps the batch's sharding and is split along T over
@@ -139,25 +152,27 @@ def _sharded(local: Any, p: checks.Prepared, lengths: jax.Array, replicated: Any
   explicit = tuple(a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
                    if t == AxisType.Explicit)
 
-  def reordered(q, k, v, lengths, replicated, per_token):
-    q, k, v, per_token = jax.tree.map(lambda x: _reorder(x, axis_name, P_, inverse=False),
-                                      (q, k, v, per_token))
-    return _reorder(local(q, k, v, lengths, replicated, per_token), axis_name, P_,
+  def reordered(q, k, v, lengths, replicated, per_token, segment_ids):
+    q, k, v, per_token, segment_ids = jax.tree.map(
+        lambda x: _reorder(x, axis_name, P_, inverse=False), (q, k, v, per_token, segment_ids))
+    return _reorder(local(q, k, v, lengths, replicated, per_token, segment_ids), axis_name, P_,
                     inverse=True)
 
-  def run(q, k, v, lengths, replicated, per_token):
+  def run(q, k, v, lengths, replicated, per_token, segment_ids):
     pad = -T % (2 * P_ if zigzag else P_)
-    q, k, v, per_token = jax.tree.map(
-        lambda x: jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2)),
-        (q, k, v, per_token))
+    padded = lambda x, mode: jnp.pad(  # noqa: E731
+        x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2), mode=mode)
+    q, k, v, per_token = jax.tree.map(lambda x: padded(x, "constant"), (q, k, v, per_token))
+    segment_ids = jax.tree.map(lambda x: padded(x, "edge"), segment_ids)
     seq = P(None, axis_name)
     out = jax.shard_map(reordered if zigzag else local,
                         mesh=jax.sharding.get_abstract_mesh() if explicit else mesh,
-                        in_specs=(seq, seq, seq, P(), P(), seq), out_specs=seq,
-                        axis_names={axis_name})(q, k, v, lengths, replicated, per_token)
+                        in_specs=(seq, seq, seq, P(), P(), seq, seq), out_specs=seq,
+                        axis_names={axis_name})(q, k, v, lengths, replicated, per_token,
+                                                segment_ids)
     return out[:, :T] if pad else out
 
-  args = (p.query, p.key, p.value, lengths, replicated, per_token)
+  args = (p.query, p.key, p.value, lengths, replicated, per_token, segment_ids)
   if not explicit:
     return run(*args)
   spec = getattr(jax.typeof(p.query).sharding, "spec", ())
@@ -227,6 +242,38 @@ def exclusive_prefix(summary: Any, empty: Any, combine: Any, axis_name: Any, P_:
   return x
 
 
+def _segmented(combine: Any) -> Any:
+  """``combine`` over ``(starts, summary)`` pairs, ``starts [B]`` bool: a span that starts a
+  new segment in row b (at its first token) drops what came before it there.
+
+  A summary already means "reset, then this" where its span holds a boundary
+  inside; a boundary at a device's first token is seen by no device alone, so
+  it rides beside the summary (the segmented scan's flag). Associative when
+  ``combine`` is. Every leaf of a summary is batch-leading (``[B, ...]``).
+  """
+  def segmented(earlier, later):
+    (starts_a, a), (starts_b, b) = earlier, later
+    return starts_a | starts_b, _where_rows(starts_b, b, combine(a, b))
+  return segmented
+
+
+def _shaped_as(empty: Any, summary: Any) -> Any:
+  """``empty`` with the fields it leaves None filled as zeros (False) shaped as ``summary``'s.
+
+  A packed summary fills fields an empty state leaves None (a kernel state's
+  ``reset``, where None means "no segment start", as False does); the scan
+  selects between the two, so they must be one pytree.
+  """
+  return jax.tree.map(lambda e, s: jnp.zeros_like(s) if e is None else e, empty, summary,
+                      is_leaf=lambda x: x is None)
+
+
+def _where_rows(rows: jax.Array, a: Any, b: Any) -> Any:
+  """``a`` where ``rows [B]`` is True, else ``b`` (pytrees of ``[B, ...]`` arrays)."""
+  return jax.tree.map(lambda x, y: jnp.where(rows.reshape(rows.shape + (1,) * (x.ndim - 1)),
+                                             x, y), a, b)
+
+
 def _per_token(spec: Any, inputs: dict[str, Any], p: checks.Prepared, key_shape: tuple[int, ...],
                *, fn: str) -> dict[str, jax.Array]:
   """``spec``'s per-token inputs, each checked against its declared shape (e.g.
@@ -264,7 +311,8 @@ def _tracing(args) -> bool:
 @_enters_given_mesh
 def context_parallel_attention(
     query: Any, key: Any, value: Any, *, attention: str, mesh: Mesh, axis_name: Any,
-    is_causal: bool = True, key_value_seq_lengths: Any = None, **options: Any,
+    is_causal: bool = True, key_value_seq_lengths: Any = None, segment_ids: Any = None,
+    **options: Any,
 ) -> jax.Array:
   """A recurrent attention over a sequence sharded along its length over ``axis_name``.
 
@@ -292,6 +340,12 @@ def context_parallel_attention(
       not be a multiple of P: the end is padded and hidden.
     is_causal: query t sees keys ``j <= t`` (default True).
     key_value_seq_lengths: optional ``[B]`` ints; keys at or past it are hidden.
+    segment_ids: packed sequences (causal only): int ids ``[B, T]``, non-decreasing
+      along the sequence; token t reads the keys of its own segment only, as the
+      variant's own ``segment_ids`` does on one device. They are split along T
+      with the keys; a device whose span holds a boundary summarises "start
+      afresh, then these keys", and one whose first token starts a segment drops
+      the prefix before it. The order is checked on an eager call only.
     **options: the variant's options, as for ``get_attention`` (arrays such
       as a ``projection`` are replicated to every device), and its per-token
       inputs by the names of ``AttentionSpec.token_inputs`` (gates, betas,
@@ -304,8 +358,9 @@ def context_parallel_attention(
   Raises:
     ValueError: for a variant without a recurrent state (use
       :func:`ring_attention` for softmax), a per-token input missing or not
-      of its declared shape, ``is_causal=False`` for a causal-only variant,
-      an unknown or missing option, an
+      of its declared shape, ``is_causal=False`` for a causal-only variant or
+      with ``segment_ids``, malformed ``segment_ids`` (not one int array
+      ``[B, T]``, or eagerly, decreasing), an unknown or missing option, an
       option context parallelism sets itself (``initial_state``,
       ``return_state``, ``key_value_seq_lengths``, ``is_causal``), a ``mesh``
       that is not a ``jax.sharding.Mesh``, an axis not in the mesh, T != S,
@@ -350,6 +405,15 @@ def context_parallel_attention(
   is_causal = checks.check_static_bool(is_causal, name="is_causal", fn=fn)
   if not is_causal and not spec.supports_noncausal:
     raise ValueError(f"{fn}: attention={attention!r} supports is_causal=True only.")
+  if segment_ids is not None:
+    if not is_causal:
+      raise ValueError(
+          f"{fn}: segment_ids need is_causal=True (attention={attention!r}): a non-causal "
+          "recurrent pass reads one state of all keys, which packed sequences do not share.")
+    if isinstance(segment_ids, tuple | list):
+      raise ValueError(f"{fn}: segment_ids must be one int array [B, T] (self-attention: "
+                       f"queries and keys share it); got a {type(segment_ids).__name__}.")
+    checks.check_segment_order(segment_ids, fn=fn)
   missing = [x.name for x in spec.token_inputs if x.name not in inputs]
   if missing:
     needs = ", ".join(f"{x.name} {x.layout}" for x in spec.token_inputs)
@@ -358,15 +422,15 @@ def context_parallel_attention(
   _axis_size(mesh, axis_name, fn)
   arrays, static = _split_arrays(options)
   static = tuple(sorted((k, checks.static_option(v, name=k, fn=fn)) for k, v in static.items()))
-  return _context_parallel(query, key, value, key_value_seq_lengths, arrays, inputs,
-                           attention=attention, mesh=mesh, axis_name=axis_name,
+  return _context_parallel(query, key, value, key_value_seq_lengths, segment_ids, arrays,
+                           inputs, attention=attention, mesh=mesh, axis_name=axis_name,
                            is_causal=is_causal, static=static)
 
 
 @functools.partial(jax.jit, static_argnames=("attention", "mesh", "axis_name", "is_causal",
                                              "static"))
-def _context_parallel(query, key, value, lengths, arrays, inputs, *, attention, mesh, axis_name,
-                      is_causal, static):
+def _context_parallel(query, key, value, lengths, segment_ids, arrays, inputs, *, attention, mesh,
+                      axis_name, is_causal, static):
   """:func:`context_parallel_attention` as one compiled program (inlined under jit)."""
   fn = "context_parallel_attention"
   spec = get_spec(attention)
@@ -374,19 +438,30 @@ def _context_parallel(query, key, value, lengths, arrays, inputs, *, attention, 
   P_ = mesh.shape[axis_name]
   p, lengths = _prepare(query, key, value, lengths, fn=fn)
   per_token = _per_token(spec, inputs, p, jnp.shape(key), fn=fn)
+  segments = checks.check_segment_ids(segment_ids, p, fn=fn)
+  ids = None if segments is None else segments[0]  # One array: queries' and keys'.
   L = -(-p.dims.T // P_)
 
-  def local(q, k, v, lengths, arrays, per_token):
+  def local(q, k, v, lengths, arrays, per_token, ids):
     opts = {**dict(static), **arrays}
+    packed = {} if ids is None else {"segment_ids": ids}
     i = lax.axis_index(axis_name)
     local_lengths = jnp.clip(lengths - i * L, 0, L)
     summary = streaming.summarize(k, v, key_value_seq_lengths=local_lengths, **per_token,
-                                  **accepted(streaming.summarize, opts))
+                                  **packed, **accepted(streaming.summarize, opts))
     empty = streaming.empty_summary(q, k, v, **accepted(streaming.empty_summary, opts))
-    prefix = exclusive_prefix(summary, empty, streaming.combine, axis_name, P_)
+    if ids is None:
+      prefix = exclusive_prefix(summary, empty, streaming.combine, axis_name, P_)
+    else:  # Rows whose segment starts at this device's first token drop what came before.
+      empty = _shaped_as(empty, summary)
+      starts = _shift(ids[:, -1], ids[:, 0], 1, axis_name, P_) != ids[:, 0]  # [B]
+      no = jnp.zeros_like(starts)
+      _, prefix = exclusive_prefix((starts, summary), (no, empty),
+                                   _segmented(streaming.combine), axis_name, P_)
+      prefix = _where_rows(starts, empty, prefix)
     if is_causal:
       return spec.function(q, k, v, is_causal=True, key_value_seq_lengths=local_lengths,
-                           initial_state=prefix, **opts, **per_token)
+                           initial_state=prefix, **packed, **opts, **per_token)
     inclusive = streaming.combine(prefix, summary)
     last = i == P_ - 1  # Broadcast the last device's state: the others add zeros.
     total = lax.psum(jax.tree.map(lambda x: jnp.where(last, x, jnp.zeros_like(x)), inclusive),
@@ -398,7 +473,7 @@ def _context_parallel(query, key, value, lengths, arrays, inputs, *, attention, 
         local_lengths), initial_state=total, **opts, **per_token)
 
   out = _sharded(local, p, lengths, arrays, mesh=mesh, axis_name=axis_name, zigzag=False,
-                 per_token=per_token)
+                 per_token=per_token, segment_ids=ids)
   return p.restore(out)
 
 
@@ -474,16 +549,43 @@ def _kv_lengths(ring: _Ring, block: _Block, j, lengths) -> jax.Array:
   return jnp.sum(pos[None, :] < lengths[:, None], axis=-1).astype(jnp.int32)
 
 
-def _attend(ring: _Ring, blocks: tuple[_Block, ...], j, q, k, v, lengths) -> SoftmaxCarry:
-  """The online-softmax carry ``[B, K, G, L]`` of the local queries against device j's keys."""
+def _block_ids(block: _Block, q_seg, kv_seg):
+  """The segment ids ``([B, rows], [B, keys])`` of ``block`` (or ``(None, None)``)."""
+  if q_seg is None:
+    return None, None
+  return _rows(q_seg, block.rows, 1), _rows(kv_seg, block.keys, 1)
+
+
+def _unless_apart(block: _Block, q_seg, kv_seg, fn, x):
+  """``fn(x)``, or ``x`` itself where ``block``'s queries and keys share no segment.
+
+  The ids do not decrease along a block (zig-zag order keeps a device's two chunks
+  in order), so the block has no visible pair when, in every row, the ranges
+  ``[first, last]`` of its query and key ids are apart: a test on four ids that
+  skips the block's flash call (a ring of many short sequences skips most steps).
+  """
+  if q_seg is None:
+    return fn(x)
+  q_ids, kv_ids = _block_ids(block, q_seg, kv_seg)
+  meet = jnp.any((q_ids[:, 0] <= kv_ids[:, -1]) & (kv_ids[:, 0] <= q_ids[:, -1]))
+  return lax.cond(meet, fn, lambda x: x, x)
+
+
+def _attend(ring: _Ring, blocks: tuple[_Block, ...], j, q, k, v, lengths, q_seg,
+            kv_seg) -> SoftmaxCarry:
+  """The online-softmax carry ``[B, K, G, L]`` of the local queries against device j's keys
+  (``q_seg``, ``kv_seg`` ``[B, L]``: their segment ids, or None)."""
   B, K, G, L, _ = q.shape
   carry = init_softmax_carry((B, K, G, L), v.shape[-1], q.dtype, like=q)  # Device-varying.
   for block in blocks:
-    o, s = flash.forward(ring.flash_config(block), _rows(q, block.rows, 3),
-                         _rows(k, block.keys, 2), _rows(v, block.keys, 2), None,
-                         _kv_lengths(ring, block, j, lengths))
-    carry = merge(carry, from_output(_place(o, block.rows, L, 3, 0),
-                                     _place(s, block.rows, L, 3, -jnp.inf)))
+    def attend(carry, block=block):
+      o, s = flash.forward(ring.flash_config(block), _rows(q, block.rows, 3),
+                           _rows(k, block.keys, 2), _rows(v, block.keys, 2), None,
+                           _kv_lengths(ring, block, j, lengths),
+                           *_block_ids(block, q_seg, kv_seg))
+      return merge(carry, from_output(_place(o, block.rows, L, 3, 0),
+                                      _place(s, block.rows, L, 3, -jnp.inf)))
+    carry = _unless_apart(block, q_seg, kv_seg, attend, carry)
   return carry
 
 
@@ -496,6 +598,8 @@ class _RingResiduals(NamedTuple):
   out: jax.Array  # [B, K, G, L, D] in the accumulation dtype.
   lse: jax.Array  # [B, K, G, L]
   lengths: jax.Array  # [B] int32: visible keys of the whole sequence.
+  q_seg: jax.Array | None  # [B, L] int32 segment ids of the queries, or None.
+  kv_seg: jax.Array | None  # [B, L] int32, of the keys ``k`` (travelling with them).
 
 
 def _gradients(ring: _Ring, blocks: tuple[_Block, ...], j, res: _RingResiduals, d_out):
@@ -503,18 +607,21 @@ def _gradients(ring: _Ring, blocks: tuple[_Block, ...], j, res: _RingResiduals, 
   (FlashAttention-2 backward with the final out and lse; ``d_out [B, K, G, L, D]``)."""
   q, k, v = res.q, res.k, res.v
   L = q.shape[3]
-  dq, dk, dv = jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
+  grads = jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
   for block in blocks:
-    r = block.rows
-    block_res = flash.Residuals(
-        q=_rows(q, r, 3), k=_rows(k, block.keys, 2), v=_rows(v, block.keys, 2),
-        out=_rows(res.out, r, 3), lse=_rows(res.lse, r, 3), q_len=None,
-        kv_len=_kv_lengths(ring, block, j, res.lengths))
-    g_q, g_k, g_v = flash.backward(ring.flash_config(block), block_res, _rows(d_out, r, 3))
-    dq = dq + _place(g_q, r, L, 3, 0)
-    dk = dk + _place(g_k, block.keys, L, 2, 0)
-    dv = dv + _place(g_v, block.keys, L, 2, 0)
-  return dq, dk, dv
+    def add(grads, block=block):
+      dq, dk, dv = grads
+      r = block.rows
+      q_ids, kv_ids = _block_ids(block, res.q_seg, res.kv_seg)
+      block_res = flash.Residuals(
+          q=_rows(q, r, 3), k=_rows(k, block.keys, 2), v=_rows(v, block.keys, 2),
+          out=_rows(res.out, r, 3), lse=_rows(res.lse, r, 3), q_len=None,
+          kv_len=_kv_lengths(ring, block, j, res.lengths), q_seg=q_ids, kv_seg=kv_ids)
+      g_q, g_k, g_v = flash.backward(ring.flash_config(block), block_res, _rows(d_out, r, 3))
+      return (dq + _place(g_q, r, L, 3, 0), dk + _place(g_k, block.keys, L, 2, 0),
+              dv + _place(g_v, block.keys, L, 2, 0))
+    grads = _unless_apart(block, res.q_seg, res.kv_seg, add, grads)
+  return grads
 
 
 def _step(ring: _Ring, step0: bool, fn, *args):
@@ -533,35 +640,36 @@ def _rotate(x: Any, ring: _Ring) -> Any:
   return lax.ppermute(x, ring.axis_name, [(j, (j + 1) % P_) for j in range(P_)])
 
 
-def _ring_forward(ring: _Ring, q, k, v, lengths):
+def _ring_forward(ring: _Ring, q, k, v, lengths, q_seg, kv_seg):
   """``(out [B, K, G, L, D], lse [B, K, G, L])`` of the local queries against every key."""
   acc = checks.accumulation_dtype(q.dtype)
   i = lax.axis_index(ring.axis_name)
   qa = q.astype(acc)
   blocks = ring.blocks(step0=True)[0]
-  carry = _attend(ring, blocks, i, qa, k.astype(acc), v.astype(acc), lengths)
+  carry = _attend(ring, blocks, i, qa, k.astype(acc), v.astype(acc), lengths, q_seg, kv_seg)
 
   def step(carry, s):
-    carry, k, v = carry
-    k, v = _rotate((k, v), ring)
+    carry, k, v, kv_seg = carry
+    k, v, kv_seg = _rotate((k, v, kv_seg), ring)  # The ids travel with their keys.
     j = (i - s) % ring.devices
-    other = _step(ring, False, _attend, qa, k.astype(acc), v.astype(acc), lengths)(j)
-    return (merge(carry, other), k, v), None
+    other = _step(ring, False, _attend, qa, k.astype(acc), v.astype(acc), lengths, q_seg,
+                  kv_seg)(j)
+    return (merge(carry, other), k, v, kv_seg), None
 
   if ring.devices > 1:
-    (carry, _, _), _ = lax.scan(step, (carry, k, v), jnp.arange(1, ring.devices))
+    (carry, *_), _ = lax.scan(step, (carry, k, v, kv_seg), jnp.arange(1, ring.devices))
   return online_softmax_finish(carry)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring(ring: _Ring, q, k, v, lengths):
-  out, _ = _ring_forward(ring, q, k, v, lengths)
+def _ring(ring: _Ring, q, k, v, lengths, q_seg, kv_seg):
+  out, _ = _ring_forward(ring, q, k, v, lengths, q_seg, kv_seg)
   return out.astype(q.dtype)
 
 
-def _ring_fwd(ring: _Ring, q, k, v, lengths):
-  out, lse = _ring_forward(ring, q, k, v, lengths)
-  return out.astype(q.dtype), _RingResiduals(q, k, v, out, lse, lengths)
+def _ring_fwd(ring: _Ring, q, k, v, lengths, q_seg, kv_seg):
+  out, lse = _ring_forward(ring, q, k, v, lengths, q_seg, kv_seg)
+  return out.astype(q.dtype), _RingResiduals(q, k, v, out, lse, lengths, q_seg, kv_seg)
 
 
 def _ring_bwd(ring: _Ring, residuals: _RingResiduals, d_out):
@@ -569,23 +677,27 @@ def _ring_bwd(ring: _Ring, residuals: _RingResiduals, d_out):
   acc = residuals.out.dtype
   i = lax.axis_index(ring.axis_name)
   do = d_out.astype(acc)
-  # In the accumulation dtype; each step puts in the keys and values it visits.
+  # In the accumulation dtype; each step puts in the keys (and their ids) it visits.
   res = residuals._replace(q=q.astype(acc))
-  visiting = lambda k, v: res._replace(k=k.astype(acc), v=v.astype(acc))  # noqa: E731
+  visiting = lambda k, v, kv_seg: res._replace(  # noqa: E731
+      k=k.astype(acc), v=v.astype(acc), kv_seg=kv_seg)
   blocks = ring.blocks(step0=True)[0]
-  dq, dk, dv = _gradients(ring, blocks, i, visiting(k, v), do)
+  dq, dk, dv = _gradients(ring, blocks, i, visiting(k, v, res.kv_seg), do)
 
   def step(carry, s):
-    dq, k, v, dk, dv = carry
-    k, v, dk, dv = _rotate((k, v, dk, dv), ring)  # The gradients travel with their keys.
+    dq, k, v, kv_seg, dk, dv = carry
+    # The gradients (and the ids) travel with their keys.
+    k, v, kv_seg, dk, dv = _rotate((k, v, kv_seg, dk, dv), ring)
     j = (i - s) % ring.devices
-    g_q, g_k, g_v = _step(ring, False, _gradients, visiting(k, v), do)(j)
-    return (dq + g_q, k, v, dk + g_k, dv + g_v), None
+    g_q, g_k, g_v = _step(ring, False, _gradients, visiting(k, v, kv_seg), do)(j)
+    return (dq + g_q, k, v, kv_seg, dk + g_k, dv + g_v), None
 
   if ring.devices > 1:
-    (dq, _, _, dk, dv), _ = lax.scan(step, (dq, k, v, dk, dv), jnp.arange(1, ring.devices))
+    (dq, _, _, _, dk, dv), _ = lax.scan(step, (dq, k, v, res.kv_seg, dk, dv),
+                                        jnp.arange(1, ring.devices))
     dk, dv = _rotate((dk, dv), ring)  # Home: device j + P - 1 holds j's, one more step.
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+  # Lengths and segment ids are integers: no gradient.
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -593,12 +705,12 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 
 @_enters_given_mesh
 @checks.compiled("mesh", "axis_name", "is_causal", "scale", "block_q", "block_k",
-                 "load_balance")
+                 "load_balance", concrete_checks={"segment_ids": checks.check_segment_order})
 def ring_attention(
     query: Any, key: Any, value: Any, *, mesh: Mesh, axis_name: Any, is_causal: bool = False,
     key_value_seq_lengths: Any = None, scale: float | None = None,
     block_q: int = flash.DEFAULT_BLOCK_Q, block_k: int = flash.DEFAULT_BLOCK_K,
-    load_balance: bool = True,
+    load_balance: bool = True, segment_ids: Any = None,
 ) -> jax.Array:
   """Exact softmax attention over a sequence sharded along its length: ring attention.
 
@@ -627,14 +739,23 @@ def ring_attention(
     block_q, block_k: flash tile sizes within a block (static).
     load_balance: for causal attention, use the zig-zag order (default);
       False keeps contiguous blocks, so device i computes i + 1 blocks.
+    segment_ids: packed sequences, as in :func:`softmax_attention`: int ids
+      ``[B, T]``, non-decreasing along the sequence; query t sees key j only if
+      their ids are equal (on top of ``is_causal`` and the lengths). The pair
+      ``(query_segment_ids, kv_segment_ids)``, both ``[B, T]``, is taken too. The
+      key ids travel around the ring with their keys; a block whose queries and
+      keys share no segment is skipped, and within a block flash skips the tiles
+      of other segments. Shapes and dtype are checked at trace time, the order
+      only on an eager call.
 
   Returns:
     ``[B, T, N, D]`` in the input dtype; rows with no visible key are zero.
 
   Raises:
     ValueError: for a ``mesh`` that is not a ``jax.sharding.Mesh``, an axis
-      not in the mesh, T != S, block sizes that are not positive ints, or bad
-      shapes, dtypes or lengths.
+      not in the mesh, T != S, block sizes that are not positive ints, bad
+      shapes, dtypes or lengths, or malformed ``segment_ids`` (not integers, not
+      ``[B, T]``, or eagerly, decreasing).
 
   Examples:
     >>> mesh = jax.make_mesh((jax.device_count(),), ("seq",))
@@ -644,6 +765,16 @@ def ring_attention(
     >>> out.shape
     (1, 8, 2, 4)
     >>> bool(jnp.allclose(out, la.softmax_attention(x, x, x, is_causal=True), atol=1e-5))
+    True
+
+    Packed sequences (here of 3 and 5 tokens) attend only within their own:
+
+    >>> ids = jnp.array([[0, 0, 0, 1, 1, 1, 1, 1]])
+    >>> with jax.set_mesh(mesh):
+    ...   out = parallel.ring_attention(x, x, x, mesh=mesh, axis_name="seq", is_causal=True,
+    ...                                 segment_ids=ids)
+    >>> want = la.softmax_attention(x, x, x, is_causal=True, segment_ids=ids)
+    >>> bool(jnp.allclose(out, want, atol=1e-5))
     True
 
   References:
@@ -658,6 +789,7 @@ def ring_attention(
   P_ = _axis_size(mesh, axis_name, fn)
   zigzag = is_causal and load_balance and P_ > 1
   p, lengths = _prepare(query, key, value, key_value_seq_lengths, fn=fn)
+  segments = checks.check_segment_ids(segment_ids, p, fn=fn)
   multiple = 2 * P_ if zigzag else P_
   ring = _Ring(axis_name=axis_name, devices=P_, local=-(-p.dims.T // multiple) * multiple // P_,
                zigzag=zigzag, is_causal=is_causal, scale=checks.resolve_scale(scale, p.dims.H),
@@ -665,14 +797,17 @@ def ring_attention(
                block_k=checks.check_positive_int(block_k, name="block_k", fn=fn))
   N, K = p.dims.N, p.dims.K
 
-  def local(q, k, v, lengths, _, __):
+  def local(q, k, v, lengths, _, __, segments):
     B, L, _, H = q.shape
     D = v.shape[-1]
     qi = q.reshape(B, L, K, N // K, H).transpose(0, 2, 3, 1, 4)  # [B, K, G, L, H]
-    out = _ring(ring, qi, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), lengths)
+    q_seg, kv_seg = (None, None) if segments is None else segments
+    out = _ring(ring, qi, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), lengths, q_seg,
+                kv_seg)
     return out.transpose(0, 3, 1, 2, 4).reshape(B, L, N, D)
 
-  out = _sharded(local, p, lengths, (), mesh=mesh, axis_name=axis_name, zigzag=zigzag)
+  out = _sharded(local, p, lengths, (), mesh=mesh, axis_name=axis_name, zigzag=zigzag,
+                 segment_ids=segments)
   return p.restore(out)
 
 
@@ -737,13 +872,16 @@ class ContextParallel:
           f"{_full_softmax()} (ring attention) and {recurrent_attentions()}.")
 
   def attend(self, attention: str, query, key, value, *, is_causal: bool,
-             key_value_seq_lengths: Any = None, **options: Any) -> jax.Array:
-    """``attention`` over ``query``/``key``/``value`` split along T over the axis."""
+             key_value_seq_lengths: Any = None, segment_ids: Any = None,
+             **options: Any) -> jax.Array:
+    """``attention`` over ``query``/``key``/``value`` split along T over the axis
+    (``segment_ids [B, T]``: packed sequences, as the function it runs takes them)."""
     self.check(attention, options)
     if get_spec(attention).full_softmax:
       return ring_attention(query, key, value, mesh=self.mesh, axis_name=self.axis_name,
                             is_causal=is_causal, key_value_seq_lengths=key_value_seq_lengths,
-                            **options)
+                            segment_ids=segment_ids, **options)
     return context_parallel_attention(
         query, key, value, attention=attention, mesh=self.mesh, axis_name=self.axis_name,
-        is_causal=is_causal, key_value_seq_lengths=key_value_seq_lengths, **options)
+        is_causal=is_causal, key_value_seq_lengths=key_value_seq_lengths,
+        segment_ids=segment_ids, **options)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import importlib.util
+import inspect
 import json
 import pathlib
 import re
@@ -192,7 +193,7 @@ def test_support_matrix_matches_the_registry():
   library = [n for n in la.available_attentions() if n != toy_gated.NAME]  # The tests' own.
   assert sorted([*MATRIX_ROWS.values(), *SAME_ROW]) == sorted(library)
   known = {i for name in la.available_attentions() for i in la.get_spec(name).implementations}
-  for row, (_, impls, noncausal, causal, padding, gqa, step, passing) in rows.items():
+  for row, (_, impls, noncausal, causal, padding, gqa, step, passing, packed) in rows.items():
     spec = la.get_spec(MATRIX_ROWS[row])
     listed = set(re.findall(r"`(\w+)`", impls)) & known
     if impls.startswith("as `linear_attention`"):
@@ -204,5 +205,8 @@ def test_support_matrix_matches_the_registry():
     assert step.startswith("✓") == (spec.streaming is not None), row
     state_passing = spec.streaming is not None and spec.streaming.state_passing
     assert passing.startswith("✓") == state_passing, row
+    takes_ids = "segment_ids" in inspect.signature(spec.function).parameters
+    assert takes_ids, f"{row}: takes no segment_ids"
+    assert packed == "causal, T = S" if spec.packed_causal_only else packed.startswith("✓"), row
   for name, same in SAME_ROW.items():
     assert la.get_spec(name).implementations == la.get_spec(same).implementations
