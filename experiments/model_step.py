@@ -169,11 +169,18 @@ class FlaxAttention(nnx.Module):
     return nn.as_flax_attention_fn(la.get_attention(self.attention, **self.options, **arrays))
 
   def __call__(self, x: jax.Array, *, is_causal: bool, decode: bool,
-               key_value_seq_lengths: Any) -> jax.Array:
+               key_value_seq_lengths: Any, segment_ids: Any = None) -> jax.Array:
     del decode, key_value_seq_lengths
+    _unpacked(segment_ids, "FlaxAttention")
     if self.array_names:
       self.layer.attention_fn = self._attention_fn()
     return self.layer(x, is_causal=is_causal)
+
+
+def _unpacked(segment_ids: Any, name: str) -> None:
+  """The stand-ins time unpacked rows only: ``segment_ids`` would be ignored, so it raises."""
+  if segment_ids is not None:
+    raise ValueError(f"{name}: the model-step stand-ins take no segment_ids (unpacked rows).")
 
 
 class IdentityAttention(nnx.Module):
@@ -183,8 +190,9 @@ class IdentityAttention(nnx.Module):
     self.layer = layer
 
   def __call__(self, x: jax.Array, *, is_causal: bool, decode: bool,
-               key_value_seq_lengths: Any) -> jax.Array:
+               key_value_seq_lengths: Any, segment_ids: Any = None) -> jax.Array:
     del is_causal, decode, key_value_seq_lengths
+    _unpacked(segment_ids, "IdentityAttention")
     mha = self.layer
     return mha.out(mha.value(x) + mha.query(x) * mha.key(x))
 
