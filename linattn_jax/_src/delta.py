@@ -33,6 +33,7 @@ from jax import lax
 from jax.typing import ArrayLike
 
 from linattn_jax._src import recurrence
+from linattn_jax._src.decays import pair_weights, suffix_sums
 from linattn_jax._src.gated import (
     GatedState,
     MatrixFamily,
@@ -40,10 +41,9 @@ from linattn_jax._src.gated import (
     by_token,
     check_summaries,
     empty_kv,
+    matrix_attention,
     one_token,
     register_matrix,
-    segment_sums,
-    suffix_sums,
 )
 from linattn_jax._src.registry import Role, TokenInput
 
@@ -119,38 +119,38 @@ def _unit_lower_inverse_by_halves(M: jax.Array) -> jax.Array:
 
 def _delta_writes(S, chunk: recurrence.Chunk):
   """The chunk's writes ``u [B, K, C, D]`` by one unit triangular inverse (the WY/UT form),
-  ``U = (I + L)⁻¹ diag(β) (V - diag(Γ) K S_0)`` with ``L_ij = β_i (Γ_i / Γ_j) k_iᵀ k_j``
-  (j < i); also the decays ``Γ_i / Γ_j`` ``[B, K, C, C]`` (0 where j > i), ``log Γ_i``
-  ``[B, K, C]`` and the state after the chunk."""
-  g, beta = (x[..., 0] for x in chunk.gates)  # [B, K, C]
+  ``U = (I + L)⁻¹ diag(β) (V - (K ⊙ Γ) S_0)`` with ``L_ij = β_i Σ_h k_ih k_jh Γ_ih / Γ_jh``
+  (j < i; :func:`pair_weights`); also ``log Γ_i`` ``[B, K, C, H|1]`` and the state after
+  the chunk."""
+  g, beta = chunk.gates  # [B, K, C, H|1] (a decay per head or per key feature), [B, K, C, 1]
   k = chunk.fk
   C = k.shape[2]
-  prefix = jnp.cumsum(g, axis=2)  # [B, K, C]: log Γ_i
-  decay = jnp.exp(segment_sums(g, 2))
+  prefix = jnp.cumsum(g, axis=2)  # log Γ_i
   strictly_lower = jnp.tril(jnp.ones((C, C), bool), -1)
-  L = jnp.where(strictly_lower, beta[..., None] * decay * jnp.einsum("bkih,bkjh->bkij", k, k), 0)
+  L = jnp.where(strictly_lower, beta * pair_weights(k, k, g), 0)
   system = L + jnp.eye(C, dtype=L.dtype)[None, None]
-  read = jnp.exp(prefix)[..., None] * jnp.einsum("bkih,bkhd->bkid", k, S)  # Γ_i S_0ᵀ k_i
-  u = _matmul(_unit_lower_inverse(system), beta[..., None] * (chunk.v - read))
-  to_end = jnp.exp(suffix_sums(g, 2))[..., None]  # [B, K, C, 1]: Γ_C / Γ_j
-  S_end = (jnp.exp(prefix[:, :, -1])[..., None, None] * S
+  read = jnp.einsum("bkih,bkhd->bkid", k * jnp.exp(prefix), S)  # (S_0ᵀ diag(Γ_i) k_i)ᵀ
+  u = _matmul(_unit_lower_inverse(system), beta * (chunk.v - read))
+  to_end = jnp.exp(suffix_sums(g, 2))  # [B, K, C, H|1]: Γ_C / Γ_j
+  S_end = (jnp.exp(prefix[:, :, -1])[..., None] * S
            + jnp.einsum("bkjh,bkjd->bkhd", k * to_end, u))
-  return u, decay, prefix, S_end
+  return u, prefix, S_end
 
 
 def _delta_chunk(config, S, chunk: recurrence.Chunk):
   """C queries against the state and the chunk's writes: ``(S_C, out [B, K, G, C, D])``."""
   del config
-  u, decay, prefix, S_end = _delta_writes(S, chunk)
+  u, prefix, S_end = _delta_writes(S, chunk)
   q = chunk.fq
-  a = jnp.einsum("bkgih,bkjh->bkgij", q, chunk.fk) * decay[:, :, None]
+  g = chunk.gates[0][:, :, None]  # [B, K, 1, C, H|1]
+  a = pair_weights(q, chunk.fk[:, :, None], g)  # [B, K, G, C, C]
   out = (jnp.einsum("bkgij,bkjd->bkgid", a, u)
-         + jnp.einsum("bkgih,bkhd->bkgid", q * jnp.exp(prefix)[:, :, None, :, None], S))
+         + jnp.einsum("bkgih,bkhd->bkgid", q * jnp.exp(prefix)[:, :, None], S))
   return S_end, out
 
 
 def _delta_token(S, x):
-  q, k, v, g, beta = x  # [B, K, G, H], [B, K, H], [B, K, D], [B, K, 1], [B, K, 1]
+  q, k, v, g, beta = x  # [B, K, G, H], [B, K, H], [B, K, D], [B, K, H|1], [B, K, 1]
   S = jnp.exp(g)[..., None] * S
   u = beta * (v - jnp.einsum("bkh,bkhd->bkd", k, S))
   S = S + k[..., None] * u[..., None, :]
@@ -184,7 +184,14 @@ class DeltaFamily(MatrixFamily):
 
   def token_inputs(self, inputs, key):
     beta = TokenInput("beta", Role.WRITE_STRENGTH)
-    return (beta, TokenInput("log_decay", Role.DECAY)) if "log_decay" in inputs else (beta,)
+    g = inputs.get("log_decay")
+    if g is None:
+      return (beta,)
+    per_feature = key is not None and jnp.ndim(g) == jnp.ndim(key)
+    return (beta, TokenInput("log_decay", Role.DECAY, per_feature=per_feature))
+
+  def chunk_form(self, token_inputs):
+    return "kda" if any(x.per_feature for x in token_inputs) else "kernel"
 
   def gates(self, inputs, chunk):
     beta = inputs["beta"]
@@ -297,9 +304,8 @@ def delta_rule_attention(
 
 
 def _delta(query, key, value, beta, *, log_decay=None, fn: str, **options):
-  return recurrence.recurrent_attention(DeltaFamily(), query, key, value,
-                                        inputs={"beta": beta, "log_decay": log_decay}, fn=fn,
-                                        **options)
+  return matrix_attention(DeltaFamily(), query, key, value,
+                          inputs={"beta": beta, "log_decay": log_decay}, fn=fn, **options)
 
 
 def delta_rule_attention_step(state: GatedState, query: ArrayLike, key: ArrayLike,
@@ -456,3 +462,6 @@ def _register(name: str, token_inputs: tuple[TokenInput, ...]) -> None:
 _register("delta_net", (TokenInput("beta", Role.WRITE_STRENGTH),))
 _register("gated_delta_net", (TokenInput("beta", Role.WRITE_STRENGTH),
                               TokenInput("log_decay", Role.DECAY)))
+# Kimi Delta Attention: the gated delta rule with a decay per key feature.
+_register("kda", (TokenInput("beta", Role.WRITE_STRENGTH),
+                  TokenInput("log_decay", Role.DECAY, per_feature=True)))

@@ -45,6 +45,7 @@ from jax.typing import ArrayLike
 
 from linattn_jax._src import checks, recurrence
 from linattn_jax._src.blocks import pad_axis
+from linattn_jax._src.decays import segment_sums, suffix_sums
 from linattn_jax._src.registry import Role, TokenInput
 
 GatedImplementation = Literal["reference", "scan", "associative_scan", "chunked"]
@@ -90,35 +91,6 @@ class GatedSummary(NamedTuple):
   kv: jax.Array
   log_decay: jax.Array
 
-
-
-# Log-decays ------------------------------------------------------------------------------
-
-
-def segment_sums(g: jax.Array, axis: int) -> jax.Array:
-  """``out[..., i, j, ...] = Σ_{j<l≤i} g_l`` along ``axis`` (-inf where ``j > i``).
-
-  The new axis j follows ``axis`` (i), and the axes after it keep their place: a
-  per-feature ``g [..., C, H]`` gives ``[..., C, C, H]`` with H still minor, the
-  layout the products that read it want (no transpose). Summed directly, not as a
-  difference of prefix sums, so a large decay (a reset) does not cancel the small
-  ones after it.
-  """
-  axis = axis % g.ndim
-  C = g.shape[axis]
-  position = jnp.arange(C)
-  later = position[:, None] > position[None, :]  # [l, j]: l > j
-  on_axes = lambda mask: mask.reshape((C, C) + (1,) * (g.ndim - 1 - axis))  # noqa: E731
-  sums = jnp.cumsum(jnp.where(on_axes(later), jnp.expand_dims(g, axis + 1), 0), axis=axis)
-  return jnp.where(on_axes(later | jnp.eye(C, dtype=bool)), sums, -jnp.inf)
-
-
-def suffix_sums(g: jax.Array, axis: int) -> jax.Array:
-  """``Σ_{l>j} g_l`` along ``axis``: the log-decay from key j to the chunk's end (summed
-  from the end, never as a difference: a reset at j does not cancel)."""
-  later = jnp.concatenate([lax.slice_in_dim(g, 1, None, axis=axis),
-                           jnp.zeros_like(lax.slice_in_dim(g, 0, 1, axis=axis))], axis=axis)
-  return jnp.flip(jnp.cumsum(jnp.flip(later, axis), axis), axis)
 
 
 # Gated linear attention: bodies on the chunk driver ---------------------------------------
@@ -361,6 +333,42 @@ class MatrixFamily(recurrence.Family):
     return out, GatedState(carry)
 
 
+def grouped_value_heads(query: Any, key: Any, value: Any, *, fn: str) -> tuple[Any, Any]:
+  """``(query, key)`` with each head repeated for its value heads (grouped value heads).
+
+  A matrix-state recurrence may have ``V = r·K`` value heads (``value [B, S, V, D]``)
+  for K query and key heads: value head j reads query and key head ``j // r``, and
+  the state, the per-token inputs and the output are per value head (Qwen3-Next's
+  Gated DeltaNet; ``HV`` in flash-linear-attention). Repeating the r-fold shared
+  heads makes that the ordinary one-head-per-state call. Arrays of other ranks pass
+  unchanged (the call names them).
+
+  Raises:
+    ValueError: if V is not a multiple of K, or V ≠ K and the query does not have K heads.
+  """
+  q, k, v = (jnp.asarray(x) for x in (query, key, value))
+  if not (q.ndim == k.ndim == v.ndim and q.ndim in (3, 4)) or k.shape[-2] in (0, v.shape[-2]):
+    return query, key
+  K, V, N = k.shape[-2], v.shape[-2], q.shape[-2]
+  if V % K:
+    raise ValueError(f"{fn}: key and value head counts differ (K={K} vs V={V}), and V is not "
+                     "a multiple of K (grouped value heads: value head j reads key head "
+                     f"j // (V / K)); got key {k.shape}, value {v.shape}.")
+  if N != K:
+    raise ValueError(f"{fn}: with grouped value heads (V={V} value heads for K={K} key "
+                     f"heads) the query has one head per key head, N = K = {K}; got query "
+                     f"{q.shape}.")
+  return jnp.repeat(q, V // K, axis=-2), jnp.repeat(k, V // K, axis=-2)
+
+
+def matrix_attention(family: MatrixFamily, query: Any, key: Any, value: Any, *, fn: str,
+                     **options) -> Any:
+  """:func:`recurrence.recurrent_attention` of a matrix-state family, value heads grouped
+  (:func:`grouped_value_heads`)."""
+  query, key = grouped_value_heads(query, key, value, fn=fn)
+  return recurrence.recurrent_attention(family, query, key, value, fn=fn, **options)
+
+
 def one_token(fn, state, query, key, value, inputs, **options):
   """:func:`recurrence.one_token_step` with per-token inputs ``[B, K(, H)]`` (no B
   unbatched) given a position axis like the arrays."""
@@ -492,8 +500,8 @@ def gated_linear_attention(
 
 
 def _gated(query, key, value, log_decay, *, fn: str, **options):
-  return recurrence.recurrent_attention(GLAFamily(), query, key, value,
-                                        inputs={"log_decay": log_decay}, fn=fn, **options)
+  return matrix_attention(GLAFamily(), query, key, value, inputs={"log_decay": log_decay},
+                          fn=fn, **options)
 
 
 # Decoding --------------------------------------------------------------------------------
@@ -672,12 +680,13 @@ def check_summaries(earlier: Any, later: Any, cls: type) -> jax.Array:
 
 def empty_kv(key: Any, value: Any) -> tuple[jax.Array, tuple[int, ...], Any] | None:
   """Zeros ``kv [B, K, H, D]`` for ``key [B, S, K, H]`` / ``value [B, S, K, D]`` (no B
-  unbatched), with the lead shape and dtype; None for bad ranks (the call names them).
-  Built ``zeros_like`` the key: inside shard_map it varies over the devices as they do."""
+  unbatched; K of the value, for grouped value heads), with the lead shape and dtype;
+  None for bad ranks (the call names them). Built ``zeros_like`` the key: inside
+  shard_map it varies over the devices as they do."""
   key, value = jnp.asarray(key), jnp.asarray(value)
   if key.ndim not in (3, 4) or value.ndim != key.ndim:
     return None
-  lead, (K, H), D = key.shape[:-3], key.shape[-2:], value.shape[-1]
+  lead, H, (K, D) = key.shape[:-3], key.shape[-1], value.shape[-2:]  # K: value heads.
   dtype = checks.accumulation_dtype(key.dtype)
   return jnp.zeros_like(key, dtype, shape=lead + (K, H, D)), lead, dtype
 
@@ -696,6 +705,7 @@ def init_like(query: Any, key: Any, value: Any) -> GatedState:
   """The empty :class:`GatedState` ``[B, K, H, D]`` for arrays shaped like ``query``, ``key``,
   ``value`` (the registry's ``init``): what decoding carries, without a summary's decays or
   transitions."""
+  query, key = grouped_value_heads(query, key, value, fn="init_gated_state")
   p = checks.prepare_qkv(query, key, value, fn="init_gated_state")
   return GatedState(empty_kv(p.key, p.value)[0])
 
@@ -710,11 +720,10 @@ def _gated_summarize(key: Any, value: Any, log_decay: Any, *, key_value_seq_leng
                                    key_value_seq_lengths=key_value_seq_lengths)
 
 
-def _fixed_log_decays(key: Any) -> jax.Array:
-  """RetNet's ``log γ_i`` with ``γ_i = 1 - 2^(-5-i)`` for key/value head i, broadcast to
-  ``key``'s shape without H (``[B, S, K]``, or ``[B, K]`` for one token)."""
-  shape = jnp.shape(key)
-  dtype = checks.accumulation_dtype(jnp.result_type(key))
+def _fixed_log_decays(shape: tuple[int, ...], dtype: Any) -> jax.Array:
+  """RetNet's ``log γ_i`` with ``γ_i = 1 - 2^(-5-i)`` for (value) head i, broadcast to a
+  key's ``shape`` without H (``[B, S, K]``, or ``[B, K]`` for one token)."""
+  dtype = checks.accumulation_dtype(dtype)
   if len(shape) < 2:
     return jnp.zeros(shape[:-1], dtype)  # The attention call names the ranks.
   log_gamma = np.log1p(-np.exp2(-5.0 - np.arange(shape[-2])))
@@ -724,9 +733,10 @@ def _fixed_log_decays(key: Any) -> jax.Array:
 def _entry(fn: Any, *, name: str, key_at: int, token_inputs: tuple[TokenInput, ...],
            gates: Any = None, all_inputs: tuple[str, ...]) -> Any:
   """``fn`` as registered under ``name``: its per-token inputs are the keyword-only
-  ``token_inputs``, checked against the key (the positional argument at ``key_at``) and
-  passed on by name; a variant without inputs computes them as ``gates(key)``. Inputs of
-  ``fn`` (``all_inputs``) outside ``token_inputs`` are refused."""
+  ``token_inputs``, checked against the key (the positional argument at ``key_at``, with
+  the value's heads: grouped value heads have inputs per value head) and passed on by
+  name; a variant without inputs computes them as ``gates(shape, dtype)`` of that key.
+  Inputs of ``fn`` (``all_inputs``) outside ``token_inputs`` are refused."""
   names = tuple(x.name for x in token_inputs)
   signature = inspect.signature(fn)
   params = [p for p in signature.parameters.values() if p.name not in all_inputs]
@@ -743,10 +753,15 @@ def _entry(fn: Any, *, name: str, key_at: int, token_inputs: tuple[TokenInput, .
       raise ValueError(f"{name}: takes the per-token input(s) {list(names)} as keyword "
                        f"arguments; missing {missing}, not taken {refused}.")
     key = args[key_at] if len(args) > key_at else kwargs.get("key")
+    value = args[key_at + 1] if len(args) > key_at + 1 else kwargs.get("value")
+    shape = jnp.shape(key)
+    heads = jnp.shape(value)[-2] if jnp.ndim(value) == len(shape) >= 2 else 0
+    if heads and shape[-2] and heads % shape[-2] == 0:  # Grouped value heads: per value head.
+      shape = shape[:-2] + (heads, shape[-1])
     if gates is not None:
-      return fn(*args, **gates(key), **kwargs)
-    if jnp.ndim(key) >= 2:  # Else the function names the ranks it needs.
-      given = {x.name: x.check(given[x.name], jnp.shape(key), fn=name) for x in token_inputs}
+      return fn(*args, **gates(shape, jnp.result_type(key)), **kwargs)
+    if len(shape) >= 2:  # Else the function names the ranks it needs.
+      given = {x.name: x.check(given[x.name], shape, fn=name) for x in token_inputs}
     return fn(*args, **given, **kwargs)
 
   entry.__signature__ = signature.replace(parameters=positional + extra + rest)
@@ -759,13 +774,15 @@ def register_matrix(name: str, *, family: MatrixFamily, function: Callable[..., 
                     combine: Callable[..., Any], token_inputs: tuple[TokenInput, ...],
                     gates: Any = None) -> None:
   """Registers a matrix-state recurrence: each entry point takes ``token_inputs`` by
-  keyword (or computes its inputs as ``gates(key)``), decodes from a :class:`GatedState`,
+  keyword (or computes its inputs as ``gates(shape, dtype)`` of the key), decodes from a
+  :class:`GatedState`,
   and summarises spans with ``summarize`` / ``identity`` / ``combine``."""
   all_inputs = tuple(dict.fromkeys((*family.input_names, *(x.name for x in token_inputs))))
   entry = functools.partial(_entry, name=name, token_inputs=token_inputs, gates=gates,
                             all_inputs=all_inputs)
 
   def identity_like(query, key, value):
+    query, key = grouped_value_heads(query, key, value, fn="init_gated_state")
     p = checks.prepare_qkv(query, key, value, fn="init_gated_state")
     return identity(p.key, p.value)
 
@@ -786,6 +803,7 @@ def _register_gla(name: str, token_inputs: tuple[TokenInput, ...], gates: Any = 
 
 
 # RetNet: a fixed decay per head, no gate inputs.
-_register_gla("retention", (), gates=lambda key: {"log_decay": _fixed_log_decays(key)})
+_register_gla("retention", (),
+              gates=lambda shape, dtype: {"log_decay": _fixed_log_decays(shape, dtype)})
 _register_gla("simple_gla", (TokenInput("log_decay", Role.DECAY),))
 _register_gla("gla", (TokenInput("log_decay", Role.DECAY, per_feature=True),))

@@ -175,7 +175,7 @@ MATRIX_ROWS = {
     "strided_attention": "strided", "block_sparse_attention": "block_sparse",
     "longformer_attention": "longformer", "bigbird_attention": "bigbird",
     "retention": "retention", "simple_gla": "simple_gla", "gla": "gla", "delta_net": "delta_net",
-    "gated_delta_net": "gated_delta_net",
+    "gated_delta_net": "gated_delta_net", "kda": "kda",
 }
 SAME_ROW = {"linear_relu": "linear_elu", "random_fourier": "performer"}
 

@@ -79,8 +79,9 @@ def call(delta, implementation, q, k, v, g, beta, **options):
   return la.gated_linear_attention(q, k, v, g, is_causal=True, **options)
 
 
-@pytest.mark.parametrize("delta, per_feature", [(False, False), (False, True), (True, False)],
-                         ids=["gla-per-head", "gla-per-feature", "delta"])
+@pytest.mark.parametrize("delta, per_feature", [(False, False), (False, True), (True, False),
+                                                (True, True)],
+                         ids=["gla-per-head", "gla-per-feature", "delta", "kda"])
 def test_every_implementation_equals_the_token_recurrence(delta, per_feature):
   implementations = delta_rule.DELTA_IMPLEMENTATIONS if delta else gated.GATED_IMPLEMENTATIONS
   for case in CASES:
@@ -95,8 +96,9 @@ def test_every_implementation_equals_the_token_recurrence(delta, per_feature):
                                   custom_message=f"{implementation} {case}")
 
 
-@pytest.mark.parametrize("delta, per_feature", [(False, False), (False, True), (True, False)],
-                         ids=["gla-per-head", "gla-per-feature", "delta"])
+@pytest.mark.parametrize("delta, per_feature", [(False, False), (False, True), (True, False),
+                                                (True, True)],
+                         ids=["gla-per-head", "gla-per-feature", "delta", "kda"])
 def test_a_large_decay_is_a_clean_reset_in_the_chunked_forms(delta, per_feature):
   """Forward and gradients of a -1e4 decay: no overflow, no cancellation, no NaN."""
   q, k, v, g, beta, _ = inputs(per_feature=per_feature, reset=True)
@@ -126,28 +128,38 @@ def test_gradients_of_the_chunked_form_match_the_oracle(delta):
   chex.assert_trees_all_close(got, want, atol=5e-5, rtol=5e-5)
 
 
+@pytest.mark.parametrize("delta", [False, True], ids=["gla", "kda"])
 @pytest.mark.parametrize("chunk_size", [64, 13], ids=["one-padded-chunk", "padded-to-16"])
-def test_per_feature_chunks_split_at_every_level(chunk_size):
-  """GLA's chunk form weighs blocks of 4 positions directly and halves above them (64: four
-  levels over one chunk padded from 37; 13: two levels in each of three chunks padded to
-  16): resets inside blocks and at a half's end, -inf, T and chunks not multiples of the
-  blocks, padded keys."""
-  q, k, v, g, _, initial = inputs(T=37, S=37, per_feature=True, seed=2)
+def test_per_feature_chunks_split_at_every_level(chunk_size, delta):
+  """The chunk forms with a decay per key feature (GLA's, and KDA's pair weights) weigh
+  blocks of 4 positions directly and halve above them (64: four levels over one chunk
+  padded from 37; 13: two levels in each of three chunks padded to 16): resets inside
+  blocks and at a half's end, -inf, T and chunks not multiples of the blocks, padded keys."""
+  q, k, v, g, beta, initial = inputs(T=37, S=37, per_feature=True, seed=2)
   g[:, [3, 10, 22]] = -1e4  # A block's and a half's last position (3), inside blocks.
   g[0, 29, 1, ::2] = -np.inf  # Some features of one head forget everything.
   lengths = np.array([37, 30])
-  want, want_state = recurrence(q, k, v, log_decay=g, initial=initial, lengths=lengths)
+  want, want_state = recurrence(q, k, v, log_decay=g, beta=beta if delta else None,
+                                initial=initial, lengths=lengths)
   options = dict(chunk_size=chunk_size, initial_state=la.GatedState(initial),
                  key_value_seq_lengths=lengths, return_state=True)
-  out, state = la.gated_linear_attention(q, k, v, g, is_causal=True, **options)
+
+  def run(implementation, q, k, v, g, beta):
+    if delta:
+      return la.delta_rule_attention(q, k, v, beta, log_decay=g, is_causal=True,
+                                     implementation=implementation, **options)
+    return la.gated_linear_attention(q, k, v, g, is_causal=True, implementation=implementation,
+                                     **options)
+
+  out, state = run("chunked", q, k, v, g, beta)
   chex.assert_trees_all_close((out, state.kv), (want, want_state), atol=2e-5, rtol=2e-5)
 
   def loss(implementation, *x):
-    out, final = la.gated_linear_attention(*x, is_causal=True, implementation=implementation,
-                                           **options)
+    out, final = run(implementation, *x)
     return jnp.sum(jnp.sin(out)) + jnp.sum(jnp.cos(final.kv))
 
-  grads = {i: jax.grad(loss, argnums=(1, 2, 3, 4))(i, q, k, v, g) for i in ("scan", "chunked")}
+  grads = {i: jax.grad(loss, argnums=(1, 2, 3, 4, 5))(i, q, k, v, g, beta)
+           for i in ("scan", "chunked")}
   assert all(bool(jnp.all(jnp.isfinite(x))) for x in grads["chunked"])
   chex.assert_trees_all_close(grads["chunked"], grads["scan"], atol=5e-5, rtol=5e-5)
 
@@ -164,6 +176,56 @@ def test_delta_chunks_invert_their_system_by_halves(chunk_size):
                                        chunk_size=chunk_size, initial_state=la.GatedState(initial),
                                        key_value_seq_lengths=lengths, return_state=True)
   chex.assert_trees_all_close((out, state.kv), (want, want_state), atol=2e-5, rtol=2e-5)
+
+
+def test_pair_weights_per_feature_equal_the_sum_over_features():
+  """The recursive halving of :func:`decays.pair_weights` against the ``[C, C, H]`` sum it
+  avoids (float64; lengths that are no power of two; a reset; query heads broadcast)."""
+  from linattn_jax._src import decays
+  rng = np.random.default_rng(4)
+  for C in (1, 5, 16, 37):
+    x, y = rng.normal(size=(2, 3, C, 5)), rng.normal(size=(2, 1, C, 5))
+    g = -rng.uniform(size=(2, 1, C, 5))
+    g[0, 0, C // 2] = -1e4
+    later = np.arange(C)[None, :, None] > np.arange(C)[:, None, None]  # [j, l]: l > j
+    upto = np.arange(C)[None, None, :] <= np.arange(C)[:, None, None]  # [i, ., l]: l <= i
+    sums = np.einsum("jl,bklh,il->bkijh", later[..., 0], g, upto[:, 0].astype(float))
+    want = np.einsum("bkih,bkjh,bkijh->bkij", x, y, np.exp(sums)) * np.tril(np.ones((C, C)))
+    with jax.enable_x64(True):
+      got = decays.pair_weights(*(jnp.asarray(z) for z in (x, y, g)))
+    np.testing.assert_allclose(got, want, atol=1e-12, err_msg=f"C={C}")
+
+
+@pytest.mark.parametrize("name", ["gla", "gated_delta_net", "kda"])
+def test_grouped_value_heads_read_their_query_and_key_head(name):
+  """V = 3K value heads: value head j reads query and key head j // 3, with its own state,
+  gates and beta (the recurrence per value head), through every entry point's arrays."""
+  q, k, v, g, beta, initial = inputs(per_feature=name != "gated_delta_net")
+  r = 3
+  q = q[:, :, :2]  # N = K = 2 query and key heads.
+  v, g, beta, initial = (np.concatenate([x * (i + 1) ** -0.5 for i in range(r)], axis=axis)
+                         for x, axis in ((v, 2), (g, 2), (beta, 2), (initial, 1)))  # V = 6
+  g, beta = g[:, :, [0, 2, 4, 1, 3, 5]], beta[:, :, [1, 0, 2, 5, 4, 3]]  # Distinct per head.
+  inputs_ = dict(log_decay=g) if name == "gla" else dict(log_decay=g, beta=beta)
+  want, want_state = recurrence(np.repeat(q, r, 2), np.repeat(k, r, 2), v, initial=initial,
+                                log_decay=g, beta=None if name == "gla" else beta)
+  fn = la.get_attention(name)
+  out, state = fn(q, k, v, is_causal=True, return_state=True,
+                  initial_state=la.GatedState(initial), **inputs_)
+  chex.assert_trees_all_close((out, state.kv), (want, want_state), atol=2e-5, rtol=2e-5)
+  assert out.shape == (2, 13, 6, 6)
+  spec = la.get_spec(name).streaming
+  step = {n: x[:, 0] for n, x in inputs_.items()}
+  _, one = spec.step(spec.init(q[:, :1], k[:, :1], v[:, :1]), q[:, 0], k[:, 0], v[:, 0], **step)
+  first, _ = recurrence(np.repeat(q[:, :1], r, 2), np.repeat(k[:, :1], r, 2), v[:, :1],
+                        log_decay=g[:, :1], beta=None if name == "gla" else beta[:, :1])
+  chex.assert_trees_all_close(one, first[:, 0], atol=2e-5, rtol=2e-5)
+  summary = spec.summarize(k, v, **inputs_)
+  assert summary.kv.shape == (2, 6, 8, 6)
+  with pytest.raises(ValueError, match=r"head counts differ \(K=2 vs V=5\)"):
+    fn(q, k, v[:, :, :5], is_causal=True, **{n: x[:, :, :2] for n, x in inputs_.items()})
+  with pytest.raises(ValueError, match=r"the query has one head per key head, N = K = 2"):
+    fn(np.repeat(q, 2, 2), k, v, is_causal=True, **inputs_)
 
 
 def test_splitting_a_sequence_and_passing_the_state_equals_one_pass():
@@ -207,9 +269,9 @@ def test_bad_inputs_raise_value_errors_naming_them():
     jax.jit(lambda s: la.gated_linear_attention(q, k, v, g, is_causal=True, scale=s))(0.5)
   with pytest.raises(ValueError, match=r"beta must be .*\(2, 13, 2\)"):
     la.delta_rule_attention(q, k, v, beta[..., None], is_causal=True)
-  with pytest.raises(ValueError, match="log_decay must be .*2, 13, 2\\)"):
-    la.delta_rule_attention(q, k, v, beta, is_causal=True,
-                            log_decay=np.zeros((2, 13, 2, 8), np.float32))
+  with pytest.raises(ValueError, match=r"log_decay must be .*\[B, S, K, H\] = \(2, 13, 2, 8\)"):
+    la.delta_rule_attention(q, k, v, beta, is_causal=True,  # Per feature (KDA): H = 8.
+                            log_decay=np.zeros((2, 13, 2, 3), np.float32))
   with pytest.raises(ValueError, match="implementation"):
     la.delta_rule_attention(q, k, v, beta, is_causal=True, implementation="associative_scan")
   with pytest.raises(ValueError, match=r"GatedState.kv has shape"):
