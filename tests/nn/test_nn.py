@@ -30,6 +30,8 @@ GATE_PARAMS = {
     "delta_net": {"b_kernel": (IN, K)},
     "gated_delta_net": {"a_kernel": (IN, K), "A_log": (K,), "dt_bias": (K,),
                         "b_kernel": (IN, K)},
+    "kda": {"gk_kernel_1": (IN, 16), "gk_kernel_2": (16, K * (IN // N)),
+            "gk_bias": (K * (IN // N),), "b_kernel": (IN, K)},
     # The tests' own gated variant (support/toy_gated.py): a decay and a write strength.
     "toy_gated": {"a_kernel": (IN, K), "A_log": (K,), "dt_bias": (K,), "b_kernel": (IN, K)},
 }
@@ -84,7 +86,7 @@ def test_gate_parameters_and_the_gates_they_make(name, monkeypatch):
   H = IN // N
   if "log_decay" in seen:
     g = np.asarray(seen["log_decay"])
-    assert g.shape == ((B, S, K, H) if name == "gla" else (B, S, K))
+    assert g.shape == ((B, S, K, H) if name in ("gla", "kda") else (B, S, K))
     assert np.all(g <= 0) and np.all(np.isfinite(g)) and np.any(g < 0)
     if "A_log" in gate_params:  # -exp(A_log) softplus(x W_a + dt_bias), recomputed.
       want = -np.exp(layer.A_log.get_value())[None, None] * jax.nn.softplus(
