@@ -24,6 +24,7 @@ from linattn_jax._src.delta import (
     delta_rule_attention_step,
 )
 from linattn_jax._src.dense import softmax_attention_reference
+from linattn_jax._src.dplr import dplr_attention, dplr_attention_reference, dplr_attention_step
 from linattn_jax._src.efficient import (
     EfficientState,
     efficient_attention,
@@ -96,6 +97,9 @@ __all__ = [
     "delta_rule_attention",
     "delta_rule_attention_reference",
     "delta_rule_attention_step",
+    "dplr_attention",
+    "dplr_attention_reference",
+    "dplr_attention_step",
     "DeltaSummary",
     "efficient_attention",
     "efficient_attention_reference",

@@ -82,10 +82,10 @@ class DeltaSummary(NamedTuple):
 
 # The delta rule's inverse and its applications multiply in full float32 (no TF32 on GPUs):
 # an inverse compounds rounding level by level.
-_matmul = functools.partial(jnp.matmul, precision=lax.Precision.HIGHEST)
+exact_matmul = functools.partial(jnp.matmul, precision=lax.Precision.HIGHEST)
 
 
-def _unit_lower_inverse(M: jax.Array) -> jax.Array:
+def unit_lower_inverse(M: jax.Array) -> jax.Array:
   """``M⁻¹`` for unit lower triangular ``M [..., C, C]``, by halves::
 
       [[A, 0], [L, D]]⁻¹ = [[A⁻¹, 0], [-D⁻¹ L A⁻¹, D⁻¹]]
@@ -101,18 +101,18 @@ def _unit_lower_inverse(M: jax.Array) -> jax.Array:
     pad = [(0, 0)] * (M.ndim - 2) + [(0, padded - C)] * 2
     ones = jnp.diag(jnp.arange(padded) >= C).astype(M.dtype)  # On the added diagonal.
     M = jnp.pad(M, pad) + ones.reshape((1,) * (M.ndim - 2) + ones.shape)
-  return _unit_lower_inverse_by_halves(M)[..., :C, :C]
+  return _inverse_by_halves(M)[..., :C, :C]
 
 
-def _unit_lower_inverse_by_halves(M: jax.Array) -> jax.Array:
-  """:func:`_unit_lower_inverse` for a power-of-two size."""
+def _inverse_by_halves(M: jax.Array) -> jax.Array:
+  """:func:`unit_lower_inverse` for a power-of-two size."""
   C = M.shape[-1]
   if C == 1:
     return jnp.ones_like(M)
   h = C // 2
-  halves = _unit_lower_inverse_by_halves(jnp.stack([M[..., :h, :h], M[..., h:, h:]], axis=-3))
+  halves = _inverse_by_halves(jnp.stack([M[..., :h, :h], M[..., h:, h:]], axis=-3))
   A_inv, D_inv = halves[..., 0, :, :], halves[..., 1, :, :]
-  below = -_matmul(_matmul(D_inv, M[..., h:, :h]), A_inv)
+  below = -exact_matmul(exact_matmul(D_inv, M[..., h:, :h]), A_inv)
   return jnp.concatenate([jnp.concatenate([A_inv, jnp.zeros_like(below)], axis=-1),
                           jnp.concatenate([below, D_inv], axis=-1)], axis=-2)
 
@@ -130,7 +130,7 @@ def _delta_writes(S, chunk: recurrence.Chunk):
   L = jnp.where(strictly_lower, beta * pair_weights(k, k, g), 0)
   system = L + jnp.eye(C, dtype=L.dtype)[None, None]
   read = jnp.einsum("bkih,bkhd->bkid", k * jnp.exp(prefix), S)  # (S_0ᵀ diag(Γ_i) k_i)ᵀ
-  u = _matmul(_unit_lower_inverse(system), beta * (chunk.v - read))
+  u = exact_matmul(unit_lower_inverse(system), beta * (chunk.v - read))
   to_end = jnp.exp(suffix_sums(g, 2))  # [B, K, C, H|1]: Γ_C / Γ_j
   S_end = (jnp.exp(prefix[:, :, -1])[..., None] * S
            + jnp.einsum("bkjh,bkjd->bkhd", k * to_end, u))
@@ -429,7 +429,7 @@ def combine_delta(earlier: Any, later: Any) -> Any:
   return DeltaSummary(kv, jnp.einsum("...hi,...ij->...hj", later.transition, earlier.transition))
 
 
-def _identity(key: Any, value: Any) -> DeltaSummary | None:
+def affine_identity(key: Any, value: Any) -> DeltaSummary | None:
   """The :class:`DeltaSummary` of no keys (zero ``kv``, identity transition)."""
   empty = empty_kv(key, value)
   if empty is None:
@@ -447,7 +447,7 @@ def _summarize(key: Any, value: Any, beta: Any, *, log_decay: Any = None,
   recurrence run from the identity summary, as :class:`DeltaSummary` says)."""
   return recurrence.summarize_keys(delta_rule_attention, key, value, beta=beta,
                                    log_decay=log_decay, chunk_size=chunk_size,
-                                   initial_state=_identity(key, value),
+                                   initial_state=affine_identity(key, value),
                                    segment_ids=segment_ids,
                                    key_value_seq_lengths=key_value_seq_lengths)
 
@@ -455,7 +455,7 @@ def _summarize(key: Any, value: Any, beta: Any, *, log_decay: Any = None,
 def _register(name: str, token_inputs: tuple[TokenInput, ...]) -> None:
   register_matrix(name, family=DeltaFamily(), function=delta_rule_attention,
                   reference=delta_rule_attention_reference, step=delta_rule_attention_step,
-                  summarize=_summarize, identity=_identity, combine=combine_delta,
+                  summarize=_summarize, identity=affine_identity, combine=combine_delta,
                   token_inputs=token_inputs)
 
 

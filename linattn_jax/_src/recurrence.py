@@ -66,8 +66,8 @@ from linattn_jax._src.registry import (
 # The chunked forms whose default C differs: kernel reads (and the per-head gated and
 # delta-rule forms), kernel reads of random features (Performer: M = 4H and more, the
 # feature projection runs in the chunk body), per-feature reads (Shen, Heinsen), and
-# GLA's decay per key feature, the delta rule's (KDA); Heinsen's log-values.
-ChunkForm = Literal["kernel", "random_features", "per_feature", "gla", "kda", "log_value"]
+# GLA's decay per key feature, the delta rule's (KDA), DPLR's; Heinsen's log-values.
+ChunkForm = Literal["kernel", "random_features", "per_feature", "gla", "kda", "dplr", "log_value"]
 # C of a form's chunked implementation when ``chunk_size=None``, by
 # ``jax.default_backend()`` (None: any other backend, TPU included, unmeasured); each the
 # fastest measured (docs/benchmarks.md#chunk-size).
@@ -77,6 +77,7 @@ _DEFAULT_CHUNK_SIZES: dict[str, dict[str | None, int]] = {
     "per_feature": {None: 64},
     "gla": {"gpu": 256, None: 128},
     "kda": {None: 64},
+    "dplr": {None: 64},
     "log_value": {None: 32},
 }
 

@@ -216,6 +216,10 @@ class Role(str, enum.Enum):
   replaces what the key already stores (the delta rule); the write is a
   contraction only for unit keys, so a layer projects ``σ(x w)`` and
   L2-normalises queries and keys (:attr:`unit_keys`).
+  ``TRANSITION_READ`` and ``TRANSITION_WRITE``: the vectors ``a`` and ``b`` ``[B, S, K, H]``
+  of the low-rank part of a diagonal-plus-low-rank transition ``diag(exp(g_t)) +
+  b_t a_tᵀ`` (DPLR, RWKV-7): ``a`` reads from the state, ``b`` writes what it read back;
+  any real values (a layer makes RWKV-7's ``a = -κ̂`` and ``b = κ̂ ⊙ iclr``).
 
   Examples:
     >>> la.Role.WRITE_STRENGTH.bounds, la.Role.WRITE_STRENGTH.unit_keys
@@ -224,11 +228,14 @@ class Role(str, enum.Enum):
 
   DECAY = "decay"
   WRITE_STRENGTH = "write_strength"
+  TRANSITION_READ = "transition_read"
+  TRANSITION_WRITE = "transition_write"
 
   @property
   def bounds(self) -> tuple[float, float]:
     """The closed range of the input's entries."""
-    return (-float("inf"), 0.0) if self is Role.DECAY else (0.0, 1.0)
+    inf = float("inf")
+    return {Role.DECAY: (-inf, 0.0), Role.WRITE_STRENGTH: (0.0, 1.0)}.get(self, (-inf, inf))
 
   @property
   def unit_keys(self) -> bool:

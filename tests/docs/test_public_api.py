@@ -79,6 +79,7 @@ def test_the_oracles_reject_bad_input_under_their_own_name(name):
   q, kv = jnp.ones((1, 4, 2, 4)), jnp.ones((1, 4, 3, 4))  # H = 4: the projection's.
   gates = jnp.zeros((1, 4, 2))  # log_decay or beta: an extra per-key input.
   extra = (gates,) if name.startswith(("gated", "delta")) else ()
+  extra = (kv, kv) if name.startswith("dplr") else extra  # a and b [B, S, K, H].
   fn = lambda q, k, v, **kw: getattr(la, name)(q, k, v, *extra, **options, **kw)  # noqa: E731
   with pytest.raises(ValueError, match=rf"^{name}: .*multiple of.*K=3"):
     fn(q, kv, kv, is_causal=True)

@@ -175,9 +175,9 @@ MATRIX_ROWS = {
     "strided_attention": "strided", "block_sparse_attention": "block_sparse",
     "longformer_attention": "longformer", "bigbird_attention": "bigbird",
     "retention": "retention", "simple_gla": "simple_gla", "gla": "gla", "delta_net": "delta_net",
-    "gated_delta_net": "gated_delta_net", "kda": "kda",
+    "gated_delta_net": "gated_delta_net", "kda": "kda", "dplr_attention": "dplr",
 }
-SAME_ROW = {"linear_relu": "linear_elu", "random_fourier": "performer"}
+SAME_ROW = {"linear_relu": "linear_elu", "random_fourier": "performer", "rwkv7": "dplr"}
 
 
 def test_support_matrix_matches_the_registry():

@@ -32,6 +32,9 @@ GATE_PARAMS = {
                         "b_kernel": (IN, K)},
     "kda": {"gk_kernel_1": (IN, 16), "gk_kernel_2": (16, K * (IN // N)),
             "gk_bias": (K * (IN // N),), "b_kernel": (IN, K)},
+    **{name: {"gk_kernel_1": (IN, 16), "gk_kernel_2": (16, K * (IN // N)),
+              "gk_bias": (K * (IN // N),), "kappa_kernel": (IN, K * (IN // N)),
+              "iclr_kernel": (IN, K * (IN // N))} for name in ("dplr", "rwkv7")},
     # The tests' own gated variant (support/toy_gated.py): a decay and a write strength.
     "toy_gated": {"a_kernel": (IN, K), "A_log": (K,), "dt_bias": (K,), "b_kernel": (IN, K)},
 }
@@ -86,7 +89,7 @@ def test_gate_parameters_and_the_gates_they_make(name, monkeypatch):
   H = IN // N
   if "log_decay" in seen:
     g = np.asarray(seen["log_decay"])
-    assert g.shape == ((B, S, K, H) if name in ("gla", "kda") else (B, S, K))
+    assert g.shape == ((B, S, K, H) if name in ("gla", "kda", "dplr", "rwkv7") else (B, S, K))
     assert np.all(g <= 0) and np.all(np.isfinite(g)) and np.any(g < 0)
     if "A_log" in gate_params:  # -exp(A_log) softplus(x W_a + dt_bias), recomputed.
       want = -np.exp(layer.A_log.get_value())[None, None] * jax.nn.softplus(
@@ -97,6 +100,12 @@ def test_gate_parameters_and_the_gates_they_make(name, monkeypatch):
     assert beta.shape == (B, S, K) and np.all((beta > 0) & (beta < 1))
     np.testing.assert_allclose(beta, jax.nn.sigmoid(x_kv @ layer.b_kernel.get_value()),
                                rtol=1e-5, atol=1e-7)
+  if "a" in seen:  # RWKV-7's a = -κ̂ (a unit removal key per head), b = κ̂ ⊙ σ(x W_iclr).
+    a, b = np.asarray(seen["a"]), np.asarray(seen["b"])
+    assert a.shape == b.shape == (B, S, K, H)
+    np.testing.assert_allclose(np.linalg.norm(a, axis=-1), 1, rtol=1e-5)
+    iclr = jax.nn.sigmoid(x_kv @ layer.iclr_kernel.get_value()).reshape(B, S, K, H)
+    np.testing.assert_allclose(b, -a * iclr, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("name", ["delta_net", "gated_delta_net"])

@@ -119,12 +119,10 @@ SUITE_SETTINGS: dict[str, SuiteSettings] = {
     # steps, their scan form. Their oracles are judged, and every form of each runs, against the
     # float64 token recurrence in tests/ops/test_gated.py (outputs, states, gradients);
     # here each variant's registry entry (its gates, fixed decays, summaries) meets every
-    # test of the suite once, within two minutes on 2 cores for the five.
-    "retention": SuiteSettings({"chunk_size": 4}, ("chunked",)),
-    "simple_gla": SuiteSettings({"chunk_size": 4}, ("chunked",)),
-    "gla": SuiteSettings({"chunk_size": 4}, ("chunked",)),
-    "delta_net": SuiteSettings({"chunk_size": 4}, ("chunked",)),
-    "gated_delta_net": SuiteSettings({"chunk_size": 4}, ("chunked",)),
+    # test of the suite once (test_dplr.py judges dplr's and rwkv7's forms alike).
+    **{name: SuiteSettings({"chunk_size": 4}, ("chunked",))
+       for name in ("retention", "simple_gla", "gla", "delta_net", "gated_delta_net", "kda",
+                    "dplr", "rwkv7")},
     # Heinsen's per-feature log-scale in the summary (whole-sequence prefix) form and the
     # chunked one; its scan form runs through the streaming step.
     "heinsen": SuiteSettings({"chunk_size": 4}, _CORE_FORMS),
@@ -180,7 +178,15 @@ _DERIVED = {
     (la.Role.DECAY, True): lambda k: jax.nn.log_sigmoid(k) / 4.0,
     # Write strengths in (0, 1).
     (la.Role.WRITE_STRENGTH, False): lambda k: jax.nn.sigmoid(k[..., 1]),
+    # A low-rank transition b aᵀ as RWKV-7's: a = -κ̂ and b = κ̂ ⊙ σ(k) for the unit κ̂ of k,
+    # so the state's part along κ̂ shrinks by the rate σ(k) and nothing grows.
+    (la.Role.TRANSITION_READ, True): lambda k: -_unit(k),
+    (la.Role.TRANSITION_WRITE, True): lambda k: _unit(k) * jax.nn.sigmoid(k),
 }
+
+
+def _unit(k):
+  return k / jnp.sqrt(jnp.sum(k * k, axis=-1, keepdims=True) + 1e-6)
 
 
 def deriving_inputs(spec):
@@ -219,6 +225,8 @@ def with_derived_inputs(spec, fn, key_at: int = 1):
   - a decay per head ``[B, S, K]``: ``-softplus(k[..., 0] - 2)``;
   - a decay per key feature ``[B, S, K, H]``: ``log_sigmoid(k) / 4``;
   - a write strength ``[B, S, K]``: ``sigmoid(k[..., 1])``;
+  - a low-rank transition's ``a`` and ``b`` ``[B, S, K, H]``: ``-κ̂`` and ``κ̂ ⊙ sigmoid(k)``
+    for ``κ̂ = k / |k|`` (RWKV-7's form);
 
   and a spec with a write strength (a delta rule: its role wants unit keys) gets keys
   scaled to a norm in

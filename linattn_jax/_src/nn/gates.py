@@ -42,14 +42,22 @@ class GateProjections:
     decay: ``"mamba2"`` (a decay per head), ``"low_rank"`` (a decay per key feature) or
       None (no decay input).
     beta: whether the variant takes a write strength per head (a delta rule).
+    transition: whether it takes a low-rank transition ``b aᵀ`` (DPLR, RWKV-7), made as
+      RWKV-7 makes it: a unit removal key ``κ̂ = normalize(x W_κ)`` per head, ``a = -κ̂``
+      and ``b = κ̂ ⊙ sigmoid(x W_iclr)`` (the in-context learning rate).
     decay_name: the decay input's keyword.
     beta_name: the write strength's keyword.
+    read_name: the transition's ``a``.
+    write_name: the transition's ``b``.
   """
 
   decay: str | None
   beta: bool
   decay_name: str = "log_decay"
   beta_name: str = "beta"
+  transition: bool = False
+  read_name: str = "a"
+  write_name: str = "b"
 
   @classmethod
   def for_spec(cls, spec: AttentionSpec, fn: str) -> GateProjections | None:
@@ -65,20 +73,25 @@ class GateProjections:
     for x in spec.token_inputs:
       by_role.setdefault(x.role, []).append(x)
     decays, writes = by_role.get(Role.DECAY, []), by_role.get(Role.WRITE_STRENGTH, [])
-    if len(decays) > 1 or len(writes) > 1 or any(x.per_feature for x in writes):
+    reads, backs = by_role.get(Role.TRANSITION_READ, []), by_role.get(Role.TRANSITION_WRITE, [])
+    if (len(decays) > 1 or len(writes) > 1 or any(x.per_feature for x in writes)
+        or len(reads) != len(backs) or len(reads) > 1
+        or not all(x.per_feature for x in reads + backs)):
       given = ", ".join(f"{x.name} {x.layout} ({x.role.value})" for x in spec.token_inputs)
       raise ValueError(f"{fn}: attention={spec.name!r} needs per-token inputs ({given}) that "
                        "this layer has no projection for (it projects one decay [B, S, K] or "
-                       "[B, S, K, H] and one write strength [B, S, K]); call the function "
-                       "with them instead.")
+                       "[B, S, K, H], one write strength [B, S, K] and one low-rank "
+                       "transition a, b [B, S, K, H]); call the function with them instead.")
     decay = decays[0] if decays else None
     return cls(None if decay is None else _DECAY_PROJECTIONS[decay.per_feature], bool(writes),
-               decay.name if decay else "log_decay", writes[0].name if writes else "beta")
+               decay.name if decay else "log_decay", writes[0].name if writes else "beta",
+               bool(reads), reads[0].name if reads else "a", backs[0].name if backs else "b")
 
   @property
   def names(self) -> tuple[str, ...]:
     """The names of the parameters, as the layer's attributes."""
-    return _DECAY_PARAMS[self.decay] + (("b_kernel",) if self.beta else ())
+    return (_DECAY_PARAMS[self.decay] + (("b_kernel",) if self.beta else ())
+            + (("kappa_kernel", "iclr_kernel") if self.transition else ()))
 
   def init(self, rngs: nnx.Rngs, kernel_init: Initializer, bias_init: Initializer, *,
            in_features: int, num_kv_heads: int, head_dim: int,
@@ -88,7 +101,8 @@ class GateProjections:
     ``a_kernel`` W_a ``[in, K]``, ``A_log [K]`` = log(U(1, 16)), ``dt_bias [K]``
     the inverse softplus of a log-uniform dt in [0.001, 0.1]; ``gk_kernel_1``
     ``[in, 16]``, ``gk_kernel_2`` ``[16, K·H]``, ``gk_bias [K·H]``; ``b_kernel``
-    ``[in, K]``. Kernels from ``kernel_init``, ``gk_bias`` from ``bias_init``.
+    ``[in, K]``; ``kappa_kernel`` and ``iclr_kernel`` ``[in, K·H]``. Kernels from
+    ``kernel_init``, ``gk_bias`` from ``bias_init``.
     """
     F, K, H = in_features, num_kv_heads, head_dim
     params = {}
@@ -106,13 +120,16 @@ class GateProjections:
       params["gk_bias"] = bias_init(rngs.params(), (K * H,), dtype)
     if self.beta:
       params["b_kernel"] = kernel_init(rngs.params(), (F, K), dtype)
+    if self.transition:
+      params["kappa_kernel"] = kernel_init(rngs.params(), (F, K * H), dtype)
+      params["iclr_kernel"] = kernel_init(rngs.params(), (F, K * H), dtype)
     return params
 
   def __call__(self, params: Mapping[str, jax.Array], x: jax.Array, *, num_kv_heads: int,
                head_dim: int, precision: PrecisionLike = None) -> dict[str, jax.Array]:
     """The per-token inputs from the key/value input ``x [..., S, in_kv]``, by name: a decay
-    ``[..., S, K]`` (``[..., S, K, H]`` for the low-rank gate) ≤ 0 and a write strength
-    ``[..., S, K]`` in (0, 1), float32."""
+    ``[..., S, K]`` (``[..., S, K, H]`` for the low-rank gate) ≤ 0, a write strength
+    ``[..., S, K]`` in (0, 1) and a transition's ``a``, ``b`` ``[..., S, K, H]``, float32."""
     f32 = jnp.float32
     x = jnp.asarray(x, f32)
     param = lambda name: params[name].astype(f32)  # noqa: E731
@@ -128,6 +145,11 @@ class GateProjections:
           x.shape[:-1] + (num_kv_heads, head_dim))
     if self.beta:
       gates[self.beta_name] = jax.nn.sigmoid(dot(x, param("b_kernel")))
+    if self.transition:
+      per_head = lambda y: y.reshape(x.shape[:-1] + (num_kv_heads, head_dim))  # noqa: E731
+      kappa = l2_normalize(per_head(dot(x, param("kappa_kernel"))))
+      gates[self.read_name] = -kappa
+      gates[self.write_name] = kappa * jax.nn.sigmoid(per_head(dot(x, param("iclr_kernel"))))
     return gates
 
 
