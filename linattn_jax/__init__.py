@@ -23,6 +23,11 @@ from linattn_jax._src.delta import (
     delta_rule_attention_reference,
     delta_rule_attention_step,
 )
+from linattn_jax._src.delta_product import (
+    delta_product_attention,
+    delta_product_attention_reference,
+    delta_product_attention_step,
+)
 from linattn_jax._src.dense import softmax_attention_reference
 from linattn_jax._src.dplr import dplr_attention, dplr_attention_reference, dplr_attention_step
 from linattn_jax._src.efficient import (
@@ -94,6 +99,9 @@ __all__ = [
     "available_attentions",
     "bigbird_attention",
     "block_sparse_attention",
+    "delta_product_attention",
+    "delta_product_attention_reference",
+    "delta_product_attention_step",
     "delta_rule_attention",
     "delta_rule_attention_reference",
     "delta_rule_attention_step",

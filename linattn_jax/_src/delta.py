@@ -296,14 +296,15 @@ def delta_rule_attention(
     Sequence Length", 2024. Yang, Kautz and Hatamizadeh, "Gated Delta
     Networks: Improving Mamba2 with Delta Rule", 2025.
   """
-  return _delta(query, key, value, beta, log_decay=log_decay, scale=scale, is_causal=is_causal,
-                key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids,
-                initial_state=initial_state,
-                return_state=return_state, implementation=implementation,
-                chunk_size=chunk_size, fn="delta_rule_attention")
+  return run_delta_rule(query, key, value, beta, log_decay=log_decay, scale=scale,
+                        is_causal=is_causal, key_value_seq_lengths=key_value_seq_lengths,
+                        segment_ids=segment_ids, initial_state=initial_state,
+                        return_state=return_state, implementation=implementation,
+                        chunk_size=chunk_size, fn="delta_rule_attention")
 
 
-def _delta(query, key, value, beta, *, log_decay=None, fn: str, **options):
+def run_delta_rule(query, key, value, beta, *, log_decay=None, fn: str, **options):
+  """:func:`delta_rule_attention` with any option, its errors under the name ``fn``."""
   return matrix_attention(DeltaFamily(), query, key, value,
                           inputs={"beta": beta, "log_decay": log_decay}, fn=fn, **options)
 
@@ -401,11 +402,11 @@ def delta_rule_attention_reference(
     Yang et al., "Parallelizing Linear Transformers with the Delta Rule over
     Sequence Length", 2024.
   """
-  return _delta(query, key, value, beta, log_decay=log_decay, scale=scale, is_causal=is_causal,
-                key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids,
-                initial_state=initial_state,
-                return_state=return_state, chunk_size=chunk_size, implementation="reference",
-                fn="delta_rule_attention_reference")
+  return run_delta_rule(query, key, value, beta, log_decay=log_decay, scale=scale,
+                        is_causal=is_causal, key_value_seq_lengths=key_value_seq_lengths,
+                        segment_ids=segment_ids, initial_state=initial_state,
+                        return_state=return_state, chunk_size=chunk_size,
+                        implementation="reference", fn="delta_rule_attention_reference")
 
 
 # Summaries, their combine and the registry entries ----------------------------------------

@@ -80,7 +80,10 @@ def test_the_oracles_reject_bad_input_under_their_own_name(name):
   gates = jnp.zeros((1, 4, 2))  # log_decay or beta: an extra per-key input.
   extra = (gates,) if name.startswith(("gated", "delta")) else ()
   extra = (kv, kv) if name.startswith("dplr") else extra  # a and b [B, S, K, H].
-  fn = lambda q, k, v, **kw: getattr(la, name)(q, k, v, *extra, **options, **kw)  # noqa: E731
+  steps = name.startswith("delta_product")  # Keys and values [B, S, n, K, H]; beta [B, S, n, K].
+  extra = (jnp.zeros((1, 4, 1, 3)),) if steps else extra
+  fn = lambda q, k, v, **kw: getattr(la, name)(  # noqa: E731
+      q, *((k[:, :, None], v[:, :, None]) if steps else (k, v)), *extra, **options, **kw)
   with pytest.raises(ValueError, match=rf"^{name}: .*multiple of.*K=3"):
     fn(q, kv, kv, is_causal=True)
   with pytest.raises(ValueError, match=rf"^{name}: is_causal must be a static Python bool"):
