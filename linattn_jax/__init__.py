@@ -17,6 +17,13 @@ The examples in the docstrings assume::
 """
 
 from linattn_jax import feature_maps, masks, nn, parallel
+from linattn_jax._src.cosformer import (
+    CosformerState,
+    cosformer_attention,
+    cosformer_attention_reference,
+    cosformer_attention_step,
+    init_cosformer_state,
+)
 from linattn_jax._src.delta import (
     DeltaSummary,
     delta_rule_attention,
@@ -93,6 +100,10 @@ __all__ = [
     "available_attentions",
     "bigbird_attention",
     "block_sparse_attention",
+    "cosformer_attention",
+    "cosformer_attention_reference",
+    "cosformer_attention_step",
+    "CosformerState",
     "delta_rule_attention",
     "delta_rule_attention_reference",
     "delta_rule_attention_step",
@@ -114,6 +125,7 @@ __all__ = [
     "heinsen_attention_reference",
     "heinsen_attention_step",
     "HeinsenState",
+    "init_cosformer_state",
     "init_efficient_state",
     "init_gated_state",
     "init_heinsen_state",
