@@ -62,6 +62,7 @@ from linattn_jax._src.linear import (
     linear_attention_reference,
     linear_attention_step,
 )
+from linattn_jax._src.linformer import linformer_attention, linformer_attention_reference
 from linattn_jax._src.performer import (
     PerformerState,
     init_performer_state,
@@ -136,6 +137,8 @@ __all__ = [
     "linear_attention_reference",
     "linear_attention_step",
     "LinearState",
+    "linformer_attention",
+    "linformer_attention_reference",
     "local_attention",
     "local_attention_step",
     "LocalState",
