@@ -322,7 +322,7 @@ def cosformer_attention(
     The weights are ReLU kernel weights times ``cos(π(i - j) / 2L)``:
 
     >>> x = jax.random.normal(jax.random.key(0), (1, 8, 1, 4))  # [B, T, N, H]
-    >>> i = jnp.arange(8)
+    >>> i = jnp.arange(8.0)
     >>> w = jnp.einsum("th,sh->ts", jax.nn.relu(x[0, :, 0]), jax.nn.relu(x[0, :, 0]))
     >>> w = w * jnp.cos(jnp.pi * (i[:, None] - i[None, :]) / 16)  # L = 8.
     >>> want = (w @ x[0, :, 0]) / (w.sum(-1, keepdims=True) + 1e-6)
