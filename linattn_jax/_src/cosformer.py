@@ -66,11 +66,11 @@ class CosformerState(NamedTuple):
 
       kv = Σ_j φ(k_j) v_jᵀ   [B, K, M, D]        k_sum = Σ_j φ(k_j)   [B, K, M]
 
-  ``position`` is where the next key goes (the number of keys since the segment
-  started) and ``max_length`` the L the features were made with, both stored as
-  floats ``[B, K]`` (exact integers). A call from this state puts its first key at
-  ``position``; :func:`combine` reads ``max_length`` to rotate a later summary into
-  place. Unbatched calls use the same fields without B.
+  ``position`` is where the next key goes (the number of positions since the segment
+  started, padded ones included) and ``max_length`` the L the features were made
+  with, both stored as floats ``[B, K]`` (exact integers). A call from this state puts
+  its first key at ``position``; :func:`combine` reads ``max_length`` to rotate a later
+  summary into place. Unbatched calls use the same fields without B.
 
   Attributes:
     kv: ``[B, K, M, D]``: ``Σ_j φ(k_j) v_jᵀ``.
@@ -123,15 +123,15 @@ def _positions(offset: jax.Array, T: int, S: int,
   return keys, keys  # T == S.
 
 
-def _final_position(offset: jax.Array, valid: jax.Array, reset: jax.Array | None) -> jax.Array:
-  """``[B, K]``: where the next key goes after keys ``valid [B, K, S]`` (the last segment's
-  valid keys, after the state's ``offset`` if that segment is the first)."""
+def _final_position(offset: jax.Array, S: int, reset: jax.Array | None) -> jax.Array:
+  """``[B, K]``: where the next key goes after S positions from ``offset [B, K]`` (those of
+  the last segment, after ``offset`` if that segment is the first). Padded keys hold their
+  places, as they do in one pass: positions are indices, whatever the lengths."""
   if reset is None:
-    return offset + jnp.sum(valid, axis=-1, dtype=offset.dtype)
+    return offset + S
   c = recurrence.segment_index(reset[..., None])  # [B, S]
-  last = (c == c[:, -1:])[:, None]
-  first = (c[:, -1] == 0)[:, None]
-  return jnp.where(first, offset, 0) + jnp.sum(valid & last, axis=-1, dtype=offset.dtype)
+  last = jnp.sum(c == c[:, -1:], axis=-1, dtype=offset.dtype)[:, None]  # [B, 1]
+  return jnp.where((c[:, -1] == 0)[:, None], offset, 0) + last
 
 
 def _check_max_length(max_length: Any, T: int, S: int, *, fn: str) -> int:
@@ -209,7 +209,7 @@ class _CosformerFamily(KernelFamily):
         fq=jnp.concatenate([chunk.fq, jnp.broadcast_to(pq[:, :, None, :, None],
                                                        chunk.fq.shape[:-1] + (1,))], -1),
         fk=jnp.concatenate([chunk.fk, pk[..., None]], -1))
-    final = _final_position(offset, chunk.lk[..., 0] > -jnp.inf, reset)
+    final = _final_position(offset, d.S, reset)
     prepare = kernel.featurizing(lambda x, is_query: self.featurizer(params, x, is_query=is_query),
                                  dtype)
     return Start(chunk, prepare, carry, state=(final, jnp.full_like(final, L)))
@@ -284,7 +284,8 @@ def cosformer_attention(
       (the paper's sequence length). Fixed for a stream: a state is tied to it.
     is_causal: query t sees keys ``j <= t + S - T`` (bottom-right aligned).
     key_value_seq_lengths: optional ``[B]`` ints; keys at or past it count
-      nowhere and do not advance the state (nor its position).
+      nowhere and add nothing to the state, but hold their places: positions are
+      indices, and the state's ``position`` advances by S.
     segment_ids: packed sequences, ``[B, T]`` ints that do not decrease along T
       (T == S, ``is_causal=True``): the state is dropped where the id changes and
       positions restart at 0, so each segment is attended as if it were alone;
@@ -450,7 +451,7 @@ def cosformer_attention_reference(
   new = CosformerState(
       jnp.einsum("bskm,bskd->bkmd", fk, v) + jnp.where(carried[..., None], state.kv, 0),
       jnp.einsum("bskm->bkm", fk) + jnp.where(carried, state.k_sum, 0),
-      _final_position(state.position, keep & valid[:, None], reset),
+      _final_position(state.position, d.S, reset),
       jnp.full_like(state.max_length, L))
   return out, new if p.batched else jax.tree.map(lambda x: x[0], new)
 
@@ -609,4 +610,4 @@ def _summarize(key, value, *, max_length: int, key_value_seq_lengths: Any = None
 recurrence.register_recurrent(
     "cosformer", family=_family(1), function=cosformer_attention,
     reference=cosformer_attention_reference, init=_init_like, step=cosformer_attention_step,
-    summarize=_summarize, combine=combine_states)
+    summarize=_summarize, combine=combine_states, positional=True)

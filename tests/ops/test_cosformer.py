@@ -60,14 +60,14 @@ def test_every_implementation_is_the_distance_reweighting(causal, T, S):
       rtol=2e-5, atol=2e-5)
 
 
-def test_a_state_puts_the_next_keys_at_its_position_and_counts_valid_keys():
+def test_a_state_puts_the_next_keys_at_its_position_padded_ones_included():
   q, k, v = make_qkv(SHAPE._replace(T=9))
   lengths = jnp.asarray([2, 4], jnp.int32)
   _, state = la.cosformer_attention(q[:, :4], k[:, :4], v[:, :4], max_length=L, is_causal=True,
                                     key_value_seq_lengths=lengths, return_state=True)
-  np.testing.assert_array_equal(state.position, [[2, 2], [4, 4]])
+  np.testing.assert_array_equal(state.position, [[4, 4], [4, 4]])  # Indices, as in one pass.
   np.testing.assert_array_equal(state.max_length, L)
-  # Row 1 holds 4 keys: the next call's keys sit at 4.., its queries at their keys' positions.
+  # The next call's keys sit at 4.., its queries at their keys' positions.
   got = la.cosformer_attention(q[1:, 4:], k[1:, 4:], v[1:, 4:], max_length=L, is_causal=True,
                                initial_state=jax.tree.map(lambda x: x[1:], state))
   want = numpy_cosformer(q[1:], k[1:], v[1:], causal=True)[:, 4:]
