@@ -17,6 +17,13 @@ The examples in the docstrings assume::
 """
 
 from linattn_jax import feature_maps, masks, nn, parallel
+from linattn_jax._src.cosformer import (
+    CosformerState,
+    cosformer_attention,
+    cosformer_attention_reference,
+    cosformer_attention_step,
+    init_cosformer_state,
+)
 from linattn_jax._src.delta import (
     DeltaSummary,
     delta_rule_attention,
@@ -61,6 +68,7 @@ from linattn_jax._src.linear import (
     linear_attention_reference,
     linear_attention_step,
 )
+from linattn_jax._src.linformer import linformer_attention, linformer_attention_reference
 from linattn_jax._src.performer import (
     PerformerState,
     init_performer_state,
@@ -99,6 +107,10 @@ __all__ = [
     "available_attentions",
     "bigbird_attention",
     "block_sparse_attention",
+    "cosformer_attention",
+    "cosformer_attention_reference",
+    "cosformer_attention_step",
+    "CosformerState",
     "delta_product_attention",
     "delta_product_attention_reference",
     "delta_product_attention_step",
@@ -126,6 +138,7 @@ __all__ = [
     "heinsen_attention_reference",
     "heinsen_attention_step",
     "HeinsenState",
+    "init_cosformer_state",
     "init_efficient_state",
     "init_gated_state",
     "init_heinsen_state",
@@ -136,6 +149,8 @@ __all__ = [
     "linear_attention_reference",
     "linear_attention_step",
     "LinearState",
+    "linformer_attention",
+    "linformer_attention_reference",
     "local_attention",
     "local_attention_step",
     "LocalState",

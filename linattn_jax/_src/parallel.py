@@ -358,7 +358,8 @@ def context_parallel_attention(
   Raises:
     ValueError: for a variant without a recurrent state (use
       :func:`ring_attention` for softmax), a per-token input missing or not
-      of its declared shape, ``is_causal=False`` for a causal-only variant or
+      of its declared shape, ``is_causal=False`` for a causal-only or positional
+      variant (``StreamingSpec.positional``) or
       with ``segment_ids``, malformed ``segment_ids`` (not one int array
       ``[B, T]``, or eagerly, decreasing), an unknown or missing option, an
       option context parallelism sets itself (``initial_state``,
@@ -405,6 +406,10 @@ def context_parallel_attention(
   is_causal = checks.check_static_bool(is_causal, name="is_causal", fn=fn)
   if not is_causal and not spec.supports_noncausal:
     raise ValueError(f"{fn}: attention={attention!r} supports is_causal=True only.")
+  if not is_causal and spec.streaming.positional:
+    raise ValueError(f"{fn}: attention={attention!r} supports is_causal=True only here: its "
+                     "state places queries at its position, so a device's queries cannot read "
+                     "the summary of the keys after them.")
   if segment_ids is not None:
     if not is_causal:
       raise ValueError(

@@ -583,7 +583,8 @@ def register_recurrent(name: str, *, family: Family, function: Callable[..., Any
                        params: ParamSpec | None = None,
                        bind: Callable[..., Any] | None = None,
                        token_inputs: tuple[TokenInput, ...] = (),
-                       identity: Callable[..., Any] | None = None) -> AttentionSpec:
+                       identity: Callable[..., Any] | None = None,
+                       positional: bool = False) -> AttentionSpec:
   """Registers a variant on this core: how it is chosen, streamed and combined.
 
   What it supports (implementations, causal modes) is read off ``family``.
@@ -593,7 +594,8 @@ def register_recurrent(name: str, *, family: Family, function: Callable[..., Any
   ``combine`` composes the states ``summarize`` returns; ``token_inputs`` are the
   per-token inputs (gates) that every entry point takes as keyword arguments,
   ``step`` one token's worth (see ``AttentionSpec.token_inputs``); ``identity``
-  builds the summary of no keys where it is not ``init``'s decoding state.
+  builds the summary of no keys where it is not ``init``'s decoding state; ``positional``:
+  the state places the next queries at its position (``StreamingSpec.positional``).
   """
   bind = bind or (lambda fn, head_dim_at=0: fn)
   return register_attention(AttentionSpec(
@@ -606,7 +608,8 @@ def register_recurrent(name: str, *, family: Family, function: Callable[..., Any
       supports_noncausal=family.supports_noncausal,
       streaming=StreamingSpec(init=bind(init), step=bind(step, 1), summarize=bind(summarize),
                               combine=combine,
-                              identity=None if identity is None else bind(identity)),
+                              identity=None if identity is None else bind(identity),
+                              positional=positional),
       weights=None if weights is None else bind(weights),
       params=params,
       token_inputs=token_inputs,

@@ -98,6 +98,10 @@ class StreamingSpec:
       of no keys (``combine``'s identity), where it holds more than decoding
       needs (the gated recurrences' summaries also hold their spans' decays or
       transitions); None: ``init``'s state is the identity.
+    positional: whether the state places the next keys and queries at its position
+      (cosFormer's): queries then cannot read a summary of keys after them, so a
+      non-causal pass is not split into summaries (context parallelism runs it
+      causally only).
 
   Options are filtered by name to those each function accepts.
 
@@ -125,6 +129,7 @@ class StreamingSpec:
   summarize: Callable[..., Any] | None = None
   combine: Callable[..., Any] | None = None
   identity: Callable[..., Any] | None = None
+  positional: bool = False
 
   @property
   def empty_summary(self) -> Callable[..., Any]:

@@ -20,6 +20,8 @@ COMPILED = {
     "flash_attention": dict(),
     "linear_attention": dict(),
     "performer_attention": dict(projection=PROJECTION),
+    "cosformer_attention": dict(max_length=8),
+    "linformer_attention": dict(key_projection=jnp.ones((3, 8)), value_projection=jnp.ones((3, 8))),
     "efficient_attention": dict(),
     "heinsen_attention": dict(),
     "log_heinsen_attention": dict(),
@@ -36,7 +38,8 @@ COMPILED = {
 @pytest.mark.parametrize("name", COMPILED)
 def test_public_functions_run_one_compiled_program_when_called_eagerly(name):
   """Eager calls run compiled code, not op by op."""
-  fn = functools.partial(getattr(la, name), is_causal=True, **COMPILED[name])
+  causal = name != "linformer_attention"  # Non-causal only.
+  fn = functools.partial(getattr(la, name), is_causal=causal, **COMPILED[name])
   q1 = jnp.ones((1, 8, 2, 4))
   q2 = 2 * q1  # Same shape and dtype (not weakly typed), other values.
   jaxpr = jax.make_jaxpr(lambda q: fn(q, q, q))(q1).jaxpr
@@ -75,7 +78,9 @@ REFERENCES = [name for name in la.__all__ if name.endswith("_reference")]
 @pytest.mark.parametrize("name", REFERENCES)
 def test_the_oracles_reject_bad_input_under_their_own_name(name):
   """A user calling an oracle directly gets its name in the error, not the fast function's."""
-  options = dict(projection=PROJECTION) if name.startswith("performer") else {}
+  options = {"performer": dict(projection=PROJECTION), "cosformer": dict(max_length=8),
+             "linformer": dict(key_projection=jnp.ones((3, 8)),
+                               value_projection=jnp.ones((3, 8)))}.get(name.split("_")[0], {})
   q, kv = jnp.ones((1, 4, 2, 4)), jnp.ones((1, 4, 3, 4))  # H = 4: the projection's.
   gates = jnp.zeros((1, 4, 2))  # log_decay or beta: an extra per-key input.
   extra = (gates,) if name.startswith(("gated", "delta")) else ()

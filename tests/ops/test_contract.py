@@ -87,6 +87,8 @@ VALUES = {
     "kernel": lambda spec: "trig" if spec.name == "performer" else "positive",
     "rng": lambda spec: 3,
     "num_features": lambda spec: 10,
+    "projected_length": lambda spec: 3,
+    "max_length": lambda spec: 24,
     "window_size": lambda spec: (1, 1),
     "global_positions": lambda spec: (1,),
     "stride": lambda spec: 2,

@@ -114,6 +114,8 @@ SUITE_SETTINGS: dict[str, SuiteSettings] = {
     # Its oracle is judged by its own tests; the default dispatch by test_efficient.
     "efficient": SuiteSettings({"chunk_size": 4}, ("parallel", "scan", "chunked")),
     "flash": SuiteSettings({"block_q": 4, "block_k": 8}),
+    # Positions re-weight the ReLU kernel over L = 40 (tests/parallel runs T = 37).
+    "cosformer": SuiteSettings({"chunk_size": 4, "max_length": 40}, _CORE_FORMS),
     # The gated recurrences run their default, chunked form (with its checkpointed chunk
     # scan and, for the delta rule, the WY triangular inverse) and, through the streaming
     # steps, their scan form. Their oracles are judged, and every form of each runs, against the

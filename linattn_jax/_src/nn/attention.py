@@ -443,7 +443,8 @@ class MultiHeadAttention(nnx.Module):
     and ``cache_index``.
 
     Raises:
-      ValueError: for an ``input_shape`` of fewer than two dims.
+      ValueError: for an ``input_shape`` of fewer than two dims, or a variant that is
+        non-causal only (it cannot decode).
 
     Examples:
       >>> layer = nn.MultiHeadAttention(4, 32, num_kv_heads=2, rngs=nnx.Rngs(0))  # softmax
@@ -457,6 +458,9 @@ class MultiHeadAttention(nnx.Module):
     if len(input_shape) < 2:
       raise ValueError(f"MultiHeadAttention.init_cache: input_shape must be (..., C, in); got "
                        f"{input_shape}.")
+    if self.attention_fn is None and not self._spec.supports_causal:
+      raise ValueError(f"MultiHeadAttention.init_cache: attention={self.attention!r} is "
+                       "non-causal only, so it cannot decode one token after another.")
     batch = tuple(input_shape[:-2])
     self.cache = nnx.Cache(cache_lib.empty(
         None if self.attention_fn is not None else self._spec, batch=math.prod(batch),
