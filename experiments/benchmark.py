@@ -20,6 +20,11 @@ in turns (one call of each per round), so that a load that changes during the ru
 weighs on both alike; the packed record quotes ``ratio_vs_unpacked``, the ratio of
 the two medians.
 
+With ``--delta_product_steps=n``, Gated DeltaProduct (``delta_product_attention``,
+n keys per token: the query-length key and its copies shifted by one to n - 1
+positions) is timed too, as ``gated_delta_product_n<n>``, with a decay per token and
+write strengths drawn like the registered variants' gates.
+
 Writes ``<output_dir>/benchmark.json`` (after every case, so an interrupted
 run keeps what it measured) and log-log plots ``time_<mode>.png`` and
 ``memory.png``.
@@ -90,6 +95,10 @@ _XLA_BASELINE = flags.DEFINE_bool(
     "xla_baseline", True,
     "Time jax.nn.dot_product_attention's XLA path at every length and mode (without it, no "
     "ratio_vs_xla: e.g. for a packed/unpacked comparison at lengths where it takes minutes).")
+_DELTA_PRODUCT_STEPS = flags.DEFINE_integer(
+    "delta_product_steps", None,
+    "Also time Gated DeltaProduct (delta_product_attention) with this many delta steps per "
+    "token (it has no registry entry: its keys are [B, S, n, K, H]). Default: off.")
 _SEGMENT_EVERY = flags.DEFINE_integer(
     "segment_every", None,
     "Also time each variant that takes segment_ids packed, with segment_ids = arange(T) // N "
@@ -133,6 +142,7 @@ class Config:
   masked_baseline: bool = True
   segment_every: int | None = None  # Packed cases: segment_ids = arange(T) // segment_every.
   xla_baseline: bool = True
+  delta_product_steps: int | None = None  # Gated DeltaProduct cases with n steps per token.
 
 
 class Case(NamedTuple):
@@ -189,6 +199,7 @@ def config_from_flags() -> Config:
       masked_baseline=_MASKED_BASELINE.value,
       segment_every=_SEGMENT_EVERY.value,
       xla_baseline=_XLA_BASELINE.value,
+      delta_product_steps=_DELTA_PRODUCT_STEPS.value,
   )
   _validate(config)
   return config
@@ -226,6 +237,10 @@ def _validate(config: Config) -> None:
     raise app.UsageError("need --repeats >= 1, --warmup >= 0 and positive --lengths.")
   if config.segment_every is not None and config.segment_every < 1:
     raise app.UsageError(f"--segment_every must be positive; got {config.segment_every}.")
+  if config.delta_product_steps is not None and (config.delta_product_steps < 1
+                                                 or not config.causal):
+    raise app.UsageError("--delta_product_steps needs a positive n and --causal; got "
+                         f"{config.delta_product_steps}.")
   offered = set()
   for name in config.variants:
     try:
@@ -298,6 +313,9 @@ def plan_cases(config: Config) -> list[Case]:
       cases.extend(Case("masked", name, MASKED_IMPLEMENTATION, length, mode) for name in masked)
       for name, impl in attention:
         cases.append(Case("attention", name, impl, length, mode))
+      if config.delta_product_steps:
+        cases.append(Case("delta_product", f"gated_delta_product_n{config.delta_product_steps}",
+                          None, length, mode))
         if config.segment_every is not None and takes_segment_ids(name):
           cases.append(Case("packed", name, impl, length, mode))
   return cases
@@ -389,6 +407,8 @@ def case_function(config: Config, case: Case, inputs: Inputs) -> tuple[Callable,
     return batched_matmul, (inputs.lhs, inputs.rhs)
   if case.mode == "step":
     return decode_step(config, case, inputs)
+  if case.kind == "delta_product":
+    return delta_product_case(config, case, inputs)
   attention = attention_function(config, case)
   qkv = (inputs.query, inputs.key, inputs.value)
   extra = (functools.partial(dense_twin, config, case),) if case.kind == "masked" else ()
@@ -399,6 +419,28 @@ def case_function(config: Config, case: Case, inputs: Inputs) -> tuple[Callable,
   if case.mode == "forward":
     return attention, qkv + extra
   return forward_backward(attention), qkv + (inputs.cotangent,) + extra
+
+
+def delta_product_case(config: Config, case: Case, inputs: Inputs) -> tuple[Callable, tuple]:
+  """Gated DeltaProduct with n = ``--delta_product_steps`` keys per token (the key, then
+  copies shifted by one position), a decay per token and write strengths per step."""
+  n, rng = config.delta_product_steps, np.random.default_rng(_SEED + 2)
+  steps = lambda x: jnp.stack([jnp.roll(x, j, axis=1) for j in range(n)], axis=2)  # noqa: E731
+  B, T, K = config.batch, case.length, config.kv_heads
+  draw = lambda shape: jnp.asarray(rng.standard_normal(shape, np.float32))  # noqa: E731
+  beta = common.gate_from_normal(
+      linattn_jax.TokenInput("beta", linattn_jax.Role.WRITE_STRENGTH), draw((B, T, n, K)))
+  log_decay = common.gate_from_normal(
+      linattn_jax.TokenInput("log_decay", linattn_jax.Role.DECAY), draw((B, T, K)))
+
+  def attention(query, key, value, beta, log_decay):
+    return linattn_jax.delta_product_attention(query, key, value, beta, log_decay=log_decay,
+                                               is_causal=True, **config.options)
+
+  args = (inputs.query, steps(inputs.key), steps(inputs.value))
+  if case.mode == "forward":
+    return attention, args + (beta, log_decay)
+  return forward_backward(attention), args + (inputs.cotangent, beta, log_decay)
 
 
 # A timed "step" call decodes this many tokens in one lax.scan, as a decoding

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from absl import app, flags
 
 import linattn_jax as la
@@ -70,9 +71,13 @@ def run(main: Callable[[Sequence[str]], None]) -> None:
 
 def gate_from_normal(token_input: la.TokenInput, x: Any) -> Any:
   """A per-token input from standard normal draws ``x``, by its role: a log-decay
-  ``log σ(x) / 16`` (GLA's scale, about 0.96 per step) or a write strength ``β = σ(x)``."""
+  ``log σ(x) / 16`` (GLA's scale, about 0.96 per step), a write strength ``β = σ(x)``, or a
+  low-rank transition's ``a = -x̂`` and ``b = x̂ / 2`` (unit ``x̂``, as RWKV-7's removal key)."""
   if token_input.role is la.Role.DECAY:
     return jax.nn.log_sigmoid(x) / 16
+  if token_input.role in (la.Role.TRANSITION_READ, la.Role.TRANSITION_WRITE):
+    unit = x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+    return -unit if token_input.role is la.Role.TRANSITION_READ else unit / 2
   return jax.nn.sigmoid(x)
 
 

@@ -91,7 +91,7 @@ def delta_product_attention(
     *,
     log_decay: ArrayLike | None = None,
     scale: float | None = None,
-    is_causal: bool = True,
+    is_causal: bool = False,
     key_value_seq_lengths: ArrayLike | None = None,
     segment_ids: ArrayLike | None = None,
     initial_state: GatedState | DeltaSummary | None = None,
@@ -113,7 +113,8 @@ def delta_product_attention(
     log_decay: optional ``[B, S, K]`` (or ``[B, S, K, H]``), ≤ 0: one decay per token
       (None: DeltaProduct without a gate).
     scale: multiplies the query (a static float); default ``1 / sqrt(H)``.
-    is_causal: must be True (a recurrence); False raises.
+    is_causal: must be True (a recurrence); the default False raises, as for every
+      causal-only variant.
     key_value_seq_lengths: optional ``[B]`` in tokens: tokens at or past it are identity
       steps.
     segment_ids: packed sequences, ``[B, T]`` ints that do not decrease (T == S): the
@@ -137,7 +138,7 @@ def delta_product_attention(
     >>> x = jax.random.normal(jax.random.key(0), (1, 8, 2, 2, 4))  # [B, S, n=2, K, H]
     >>> k = x / jnp.linalg.norm(x, axis=-1, keepdims=True)
     >>> out = la.delta_product_attention(x[:, :, 0], k, x, jnp.full((1, 8, 2, 2), 0.5),
-    ...                                  log_decay=jnp.full((1, 8, 2), -0.1))
+    ...                                  log_decay=jnp.full((1, 8, 2), -0.1), is_causal=True)
     >>> out.shape  # [B, T, N, D]
     (1, 8, 2, 4)
 
@@ -154,7 +155,7 @@ def delta_product_attention(
 
 def delta_product_attention_reference(
     query: ArrayLike, key: ArrayLike, value: ArrayLike, beta: ArrayLike, *,
-    log_decay: ArrayLike | None = None, scale: float | None = None, is_causal: bool = True,
+    log_decay: ArrayLike | None = None, scale: float | None = None, is_causal: bool = False,
     key_value_seq_lengths: ArrayLike | None = None, segment_ids: ArrayLike | None = None,
     initial_state: GatedState | DeltaSummary | None = None, return_state: bool = False,
     chunk_size: int | None = None,
@@ -172,8 +173,8 @@ def delta_product_attention_reference(
   Examples:
     >>> x = jax.random.normal(jax.random.key(0), (1, 6, 2, 1, 4)) / 2  # [B, S, n, K, H]
     >>> beta = jnp.full((1, 6, 2, 1), 0.5)
-    >>> fast = la.delta_product_attention(x[:, :, 0], x, x, beta)
-    >>> ref = la.delta_product_attention_reference(x[:, :, 0], x, x, beta)
+    >>> fast = la.delta_product_attention(x[:, :, 0], x, x, beta, is_causal=True)
+    >>> ref = la.delta_product_attention_reference(x[:, :, 0], x, x, beta, is_causal=True)
     >>> bool(jnp.allclose(fast, ref, atol=1e-5))
     True
 

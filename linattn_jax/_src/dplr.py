@@ -184,7 +184,7 @@ def dplr_attention(
     *,
     log_decay: ArrayLike | None = None,
     scale: float | None = None,
-    is_causal: bool = True,
+    is_causal: bool = False,
     key_value_seq_lengths: ArrayLike | None = None,
     segment_ids: ArrayLike | None = None,
     initial_state: GatedState | DeltaSummary | None = None,
@@ -208,7 +208,8 @@ def dplr_attention(
     log_decay: optional ``g``, ``[B, S, K, H]`` (one per key feature) or ``[B, S, K]``,
       ≤ 0 (None: no decay); checked where concrete (not under ``jax.jit``).
     scale: multiplies the query (a static float); default ``1 / sqrt(H)``.
-    is_causal: must be True (a recurrence); False raises.
+    is_causal: must be True (a recurrence); the default False raises, as for every
+      causal-only variant.
     key_value_seq_lengths: optional ``[B]``: keys at or past it are identity steps.
     segment_ids: packed sequences, ``[B, T]`` ints that do not decrease along T
       (T == S): the state is dropped where the id changes (the start's own ``a`` then
@@ -236,7 +237,8 @@ def dplr_attention(
   Examples:
     >>> x = jax.random.normal(jax.random.key(0), (1, 16, 2, 8))  # [B, T, N=K, H=D]
     >>> kappa = x / jnp.linalg.norm(x, axis=-1, keepdims=True)  # RWKV-7's removal key
-    >>> la.dplr_attention(x, x, x, -kappa, 0.5 * kappa, log_decay=jnp.full(x.shape, -0.1)).shape
+    >>> g = jnp.full(x.shape, -0.1)
+    >>> la.dplr_attention(x, x, x, -kappa, 0.5 * kappa, log_decay=g, is_causal=True).shape
     (1, 16, 2, 8)
 
   References:
@@ -257,7 +259,7 @@ def _dplr(query, key, value, a, b, *, log_decay=None, fn: str, **options):
 
 def dplr_attention_reference(
     query: ArrayLike, key: ArrayLike, value: ArrayLike, a: ArrayLike, b: ArrayLike, *,
-    log_decay: ArrayLike | None = None, scale: float | None = None, is_causal: bool = True,
+    log_decay: ArrayLike | None = None, scale: float | None = None, is_causal: bool = False,
     key_value_seq_lengths: ArrayLike | None = None, segment_ids: ArrayLike | None = None,
     initial_state: GatedState | DeltaSummary | None = None, return_state: bool = False,
     chunk_size: int | None = None,
@@ -273,8 +275,9 @@ def dplr_attention_reference(
 
   Examples:
     >>> x = jax.random.normal(jax.random.key(0), (1, 8, 2, 4)) / 2
-    >>> fast = la.dplr_attention(x, x, x, -x, x)
-    >>> bool(jnp.allclose(fast, la.dplr_attention_reference(x, x, x, -x, x), atol=1e-5))
+    >>> fast = la.dplr_attention(x, x, x, -x, x, is_causal=True)
+    >>> ref = la.dplr_attention_reference(x, x, x, -x, x, is_causal=True)
+    >>> bool(jnp.allclose(fast, ref, atol=1e-5))
     True
 
   References:

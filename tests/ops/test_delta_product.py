@@ -8,6 +8,8 @@ step at all.
 
 from __future__ import annotations
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -15,6 +17,9 @@ import numpy as np
 import pytest
 
 import linattn_jax as la
+
+# Causal only.
+delta_product_attention = functools.partial(la.delta_product_attention, is_causal=True)
 
 
 def recurrence(q, k, v, beta, log_decay=None, *, initial=None, lengths=None):
@@ -60,7 +65,7 @@ def test_every_implementation_equals_the_token_recurrence(T, S, n):
   lengths = np.array([S, S - 3])
   want, want_state = recurrence(q, k, v, beta, g, initial=initial, lengths=lengths)
   for implementation in ("reference", "scan", "chunked"):
-    out, state = la.delta_product_attention(q, k, v, beta, log_decay=g, chunk_size=5,
+    out, state = delta_product_attention(q, k, v, beta, log_decay=g, chunk_size=5,
                                             implementation=implementation,
                                             initial_state=la.GatedState(initial),
                                             key_value_seq_lengths=lengths, return_state=True)
@@ -72,7 +77,7 @@ def test_gradients_steps_and_packed_segments():
   q, k, v, beta, g, initial = inputs(seed=1)
 
   def loss(implementation, *x):
-    out, final = la.delta_product_attention(*x[:4], log_decay=x[4], chunk_size=4,
+    out, final = delta_product_attention(*x[:4], log_decay=x[4], chunk_size=4,
                                             implementation=implementation, return_state=True,
                                             initial_state=la.GatedState(jnp.asarray(initial)))
     return jnp.sum(jnp.sin(out)) + jnp.sum(jnp.cos(final.kv))
@@ -92,7 +97,7 @@ def test_gradients_steps_and_packed_segments():
                               rtol=3e-5)
   # Packed: each segment as if alone (its n steps per token stay together).
   ids = np.repeat(np.array([[0, 1], [3, 4]]), [4, 7], axis=1)
-  out = la.delta_product_attention(q, k, v, beta, log_decay=g, segment_ids=ids, chunk_size=4)
+  out = delta_product_attention(q, k, v, beta, log_decay=g, segment_ids=ids, chunk_size=4)
   for lo, hi in ((0, 4), (4, 11)):
     alone = recurrence(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], beta[:, lo:hi], g[:, lo:hi])[0]
     chex.assert_trees_all_close(out[:, lo:hi], alone, atol=3e-5, rtol=3e-5)
@@ -104,21 +109,21 @@ def test_grouped_value_heads_and_jit():
   v, beta = np.concatenate([v, -v], axis=3), np.concatenate([beta, beta[..., ::-1]], axis=3)
   g = np.concatenate([g, g / 2], axis=2)
   want, _ = recurrence(np.repeat(q, 2, 2), np.repeat(k, 2, 3), v, beta, g)
-  fn = jax.jit(lambda *x: la.delta_product_attention(*x[:4], log_decay=x[4], scale=8 ** -0.5))
+  fn = jax.jit(lambda *x: delta_product_attention(*x[:4], log_decay=x[4], scale=8 ** -0.5))
   chex.assert_trees_all_close(fn(q, k, v, beta, g), want, atol=3e-5, rtol=3e-5)
 
 
 def test_bad_inputs_raise_value_errors_naming_them():
   q, k, v, beta, g, _ = inputs()
   with pytest.raises(ValueError, match=r"key \[B, S, n, K, H\].*got \(2, 11, 4, 8\)"):
-    la.delta_product_attention(q, k[:, :, 0], v, beta)
+    delta_product_attention(q, k[:, :, 0], v, beta)
   with pytest.raises(ValueError, match=r"key and value lengths differ"):
-    la.delta_product_attention(q, k, v[:, :5], beta)
+    delta_product_attention(q, k, v[:, :5], beta)
   with pytest.raises(ValueError, match=r"beta must be a float array .*\(2, 11, 2, 2\)"):
-    la.delta_product_attention(q, k, v, beta[..., 0])
+    delta_product_attention(q, k, v, beta[..., 0])
   with pytest.raises(ValueError, match=r"log_decay must be a float array .*\(2, 11, 2\)"):
-    la.delta_product_attention(q, k, v, beta, log_decay=g[:, :3])
+    delta_product_attention(q, k, v, beta, log_decay=g[:, :3])
   with pytest.raises(ValueError, match=r"beta \(write_strength\) must lie in \[0.0, 1.0\]"):
-    la.delta_product_attention(q, k, v, beta + 1)
+    delta_product_attention(q, k, v, beta + 1)
   with pytest.raises(ValueError, match="is_causal=False.*recurrence"):
-    la.delta_product_attention(q, k, v, beta, is_causal=False)
+    delta_product_attention(q, k, v, beta, is_causal=False)

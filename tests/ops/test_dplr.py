@@ -8,6 +8,8 @@ writes ``k vᵀ``; a key past its sequence's length is no step at all.
 
 from __future__ import annotations
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -16,6 +18,8 @@ import pytest
 
 import linattn_jax as la
 from linattn_jax._src import dplr
+
+dplr_attention = functools.partial(la.dplr_attention, is_causal=True)  # Causal only.
 
 
 def recurrence(q, k, v, a, b, log_decay, *, initial=None, lengths=None):
@@ -62,7 +66,7 @@ def test_every_implementation_equals_the_token_recurrence(T, S, chunk_size):
   lengths = np.array([S, S - 3])
   want, want_state = recurrence(q, k, v, a, b, g, initial=initial, lengths=lengths)
   for implementation in dplr.DPLR_IMPLEMENTATIONS:
-    out, state = la.dplr_attention(q, k, v, a, b, log_decay=g, implementation=implementation,
+    out, state = dplr_attention(q, k, v, a, b, log_decay=g, implementation=implementation,
                                    chunk_size=chunk_size, initial_state=la.GatedState(initial),
                                    key_value_seq_lengths=lengths, return_state=True)
     chex.assert_trees_all_close((out, state.kv), (want, want_state), atol=3e-5, rtol=3e-5,
@@ -73,7 +77,7 @@ def test_without_a_decay_and_with_one_per_head():
   q, k, v, a, b, g, _ = inputs(seed=1)
   for log_decay, want_g in ((None, np.zeros_like(g)), (g[..., 0], np.repeat(g[..., :1], 8, -1))):
     want, _ = recurrence(q, k, v, a, b, want_g)
-    out = la.dplr_attention(q, k, v, a, b, log_decay=log_decay, chunk_size=4)
+    out = dplr_attention(q, k, v, a, b, log_decay=log_decay, chunk_size=4)
     chex.assert_trees_all_close(out, want, atol=3e-5, rtol=3e-5)
 
 
@@ -83,7 +87,7 @@ def test_gradients_of_the_chunked_form_match_the_oracle():
   state = la.GatedState(jnp.asarray(initial))
 
   def loss(implementation, *x):
-    out, final = la.dplr_attention(*x[:5], log_decay=x[5], implementation=implementation,
+    out, final = dplr_attention(*x[:5], log_decay=x[5], implementation=implementation,
                                    chunk_size=4, initial_state=state, return_state=True)
     return jnp.sum(jnp.sin(out)) + jnp.sum(jnp.cos(final.kv))
 
@@ -101,7 +105,7 @@ def test_the_delta_rule_is_the_case_a_minus_beta_k_b_k():
   k = k / np.linalg.norm(k, axis=-1, keepdims=True)
   beta = np.random.default_rng(3).uniform(0, 1, size=k.shape[:-1]).astype(np.float32)
   want = la.delta_rule_attention(q, k, v, beta, log_decay=g, is_causal=True)
-  out = la.dplr_attention(q, beta[..., None] * k, v,
+  out = dplr_attention(q, beta[..., None] * k, v,
                           -beta[..., None] * k * np.exp(g), k, log_decay=g)
   chex.assert_trees_all_close(out, want, atol=3e-5, rtol=3e-5)
 
@@ -111,9 +115,9 @@ def test_packed_segments_drop_the_state_and_the_low_rank_read():
   (unlike a -1e4 decay, which leaves the low-rank read)."""
   q, k, v, a, b, g, _ = inputs(seed=4)
   ids = np.repeat(np.array([[0, 1], [0, 2]]), [6, 7], axis=1)
-  out = la.dplr_attention(q, k, v, a, b, log_decay=g, segment_ids=ids, chunk_size=4)
+  out = dplr_attention(q, k, v, a, b, log_decay=g, segment_ids=ids, chunk_size=4)
   for lo, hi in ((0, 6), (6, 13)):
-    alone = la.dplr_attention(*(x[:, lo:hi] for x in (q, k, v, a, b)), log_decay=g[:, lo:hi],
+    alone = dplr_attention(*(x[:, lo:hi] for x in (q, k, v, a, b)), log_decay=g[:, lo:hi],
                               chunk_size=4)
     chex.assert_trees_all_close(out[:, lo:hi], alone, atol=3e-5, rtol=3e-5)
 
@@ -138,12 +142,12 @@ def test_decoding_steps_and_the_registry_entries():
 def test_bad_inputs_raise_value_errors_naming_them():
   q, k, v, a, b, g, _ = inputs()
   with pytest.raises(ValueError, match="is_causal=False.*recurrence"):
-    la.dplr_attention(q, k, v, a, b, is_causal=False)
+    dplr_attention(q, k, v, a, b, is_causal=False)
   with pytest.raises(ValueError, match=r"a must be a float array \[B, S, K, H\] = \(2, 13, 2, 8\)"):
-    la.dplr_attention(q, k, v, a[..., 0], b)
+    dplr_attention(q, k, v, a[..., 0], b)
   with pytest.raises(ValueError, match=r"b must be a float array"):
-    la.dplr_attention(q, k, v, a, b[:, :5])
+    dplr_attention(q, k, v, a, b[:, :5])
   with pytest.raises(ValueError, match=r"log_decay \(decay\) must lie in \[-inf, 0.0\]"):
-    la.dplr_attention(q, k, v, a, b, log_decay=-g)
+    dplr_attention(q, k, v, a, b, log_decay=-g)
   with pytest.raises(ValueError, match="implementation"):
-    la.dplr_attention(q, k, v, a, b, implementation="associative_scan")
+    dplr_attention(q, k, v, a, b, implementation="associative_scan")
