@@ -241,9 +241,9 @@ def delta_rule_attention(
     implementation: DeltaImplementation | None = None,
     chunk_size: int | None = None,
 ) -> jax.Array | tuple[jax.Array, GatedState]:
-  """The delta rule (DeltaNet; Gated DeltaNet with ``log_decay``).
+  """The delta rule (DeltaNet; Gated DeltaNet, or KDA with a decay per key feature).
 
-  ``S' = exp(g_t) S_{t-1}``, ``u_t = β_t (v_t - S'ᵀ k_t)``,
+  ``S' = diag(exp(g_t)) S_{t-1}``, ``u_t = β_t (v_t - S'ᵀ k_t)``,
   ``S_t = S' + k_t u_tᵀ``, ``o_t = scale · q_tᵀ S_t``: each write replaces
   part of what the key already stores. The keys are used as given (the
   papers' layers L2-normalise them first).
@@ -251,11 +251,12 @@ def delta_rule_attention(
   Args:
     query: ``[B, T, N, H]`` (or unbatched ``[T, N, H]``).
     key: ``[B, S, K, H]``; K must divide N.
-    value: ``[B, S, K, D]``.
+    value: ``[B, S, K, D]``, or ``[B, S, V, D]`` with V a multiple of K (grouped value
+      heads: then N = K, and ``beta`` and ``log_decay`` are per value head).
     beta: ``[B, S, K]`` write strengths in [0, 1] (checked where concrete: not under
       ``jax.jit``).
-    log_decay: optional ``g`` ``[B, S, K]``, ≤ 0 (None: no decay, DeltaNet); checked
-      where concrete.
+    log_decay: optional ``g`` ``[B, S, K]`` (Gated DeltaNet) or ``[B, S, K, H]`` (one per
+      key feature: KDA), ≤ 0 (None: no decay, DeltaNet); checked where concrete.
     scale: multiplies the query (a static float); default ``1 / sqrt(H)``.
     is_causal: must be True (a recurrence); the default False raises, as for every
       causal-only variant.
@@ -273,7 +274,8 @@ def delta_rule_attention(
       (token by token on ``lax.scan``) or ``"chunked"`` (the default: the
       WY/UT chunk form, one unit triangular inverse per chunk).
     chunk_size: positions per chunk of ``"scan"`` and ``"chunked"``.
-      None: the default backend's measured best, 64 on CPU and 256 on GPU.
+      None: the default backend's measured best, 64 on CPU and 256 on GPU; with a decay
+      per key feature (KDA) 16 (docs/benchmarks.md#chunk-size).
 
   Returns:
     ``[B, T, N, D]`` in the input dtype; with ``return_state`` the pair
@@ -323,7 +325,7 @@ def delta_rule_attention_step(state: GatedState, query: ArrayLike, key: ArrayLik
     key: ``[B, K, H]``.
     value: ``[B, K, D]``.
     beta: ``[B, K]`` in [0, 1].
-    log_decay: optional ``[B, K]``, ≤ 0.
+    log_decay: optional ``[B, K]`` (or ``[B, K, H]``: KDA), ≤ 0.
     scale: multiplies the query; default ``1 / sqrt(H)``.
 
   Returns:

@@ -445,7 +445,8 @@ def gated_linear_attention(
   Args:
     query: ``[B, T, N, H]`` (or unbatched ``[T, N, H]``).
     key: ``[B, S, K, H]``; K must divide N.
-    value: ``[B, S, K, D]``.
+    value: ``[B, S, K, D]``, or ``[B, S, V, D]`` with V a multiple of K (grouped value
+      heads: then N = K, and ``log_decay`` is per value head).
     log_decay: ``g``, ``[B, S, K]`` (one decay per head: constant for RetNet,
       data-dependent for simple GLA / Mamba2) or ``[B, S, K, H]`` (one per key
       feature: GLA); every entry ≤ 0 (``-inf`` or a large negative value resets),

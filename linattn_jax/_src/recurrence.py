@@ -76,8 +76,8 @@ _DEFAULT_CHUNK_SIZES: dict[str, dict[str | None, int]] = {
     "random_features": {"gpu": 512, None: 128},
     "per_feature": {None: 64},
     "gla": {"gpu": 256, None: 128},
-    "kda": {None: 64},
-    "dplr": {None: 64},
+    "kda": {None: 16},
+    "dplr": {None: 16},
     "log_value": {None: 32},
 }
 
