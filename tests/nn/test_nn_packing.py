@@ -60,24 +60,34 @@ def _same_segment(ids):  # [B, T] -> [B, 1, T, T]
 @pytest.mark.parametrize("name", [name for name in PACKED if name not in PATTERNS])
 def test_a_packed_call_equals_each_document_alone(name):
   """Forward and gradient: a row of documents equals each document run by itself, causal
-  (and bidirectional for exact softmax; the recurrences pack causal rows only)."""
+  (and bidirectional for exact softmax; the recurrences pack causal rows only).
+
+  The documents run by themselves as the rows of one call: each padded at its end to the
+  longest, its keys there hidden by its ``key_value_seq_lengths`` (one program for every
+  document length)."""
   layer = _layer(name)
   x = jax.random.normal(jax.random.key(0), (B, T, IN))
   ids = jnp.asarray(IDS)
+  docs = [(b, doc) for b in range(B) for doc in _documents(IDS[b])]
+  longest = max(doc.stop - doc.start for _, doc in docs)
+  rows = jnp.stack([jnp.pad(x[b, doc], ((0, longest - (doc.stop - doc.start)), (0, 0)))
+                    for b, doc in docs])
+  lengths = jnp.asarray([doc.stop - doc.start for _, doc in docs], jnp.int32)
   for causal in (True, False) if get_spec(name).full_softmax else (True,):
-    call = nnx.jit(lambda m, x, ids, c=causal: m(x, is_causal=c, segment_ids=ids))
-    alone = nnx.jit(lambda m, x, c=causal: m(x, is_causal=c))
-    packed = call(layer, x, ids)
-    for b in range(B):
-      for doc in _documents(IDS[b]):
-        np.testing.assert_allclose(packed[b, doc], alone(layer, x[b:b + 1, doc])[0],
-                                   err_msg=f"{name} causal={causal} row {b} {doc}",
-                                   **_tolerance(name))
+    run = nnx.jit(lambda m, x, ids, rows, lengths, c=causal: (
+        m(x, is_causal=c, segment_ids=ids), m(rows, is_causal=c, key_value_seq_lengths=lengths)))
+    packed, alone = run(layer, x, ids, rows, lengths)
+    for i, (b, doc) in enumerate(docs):
+      np.testing.assert_allclose(packed[b, doc], alone[i, :doc.stop - doc.start],
+                                 err_msg=f"{name} causal={causal} row {b} {doc}",
+                                 **_tolerance(name))
   # The gradient of a loss on one document's outputs reaches no input of the others.
   doc = _documents(IDS[0])[1]
-  grad = jax.grad(lambda x: jnp.sum(layer(x, is_causal=True, segment_ids=ids)[0, doc] ** 2))(x)
+  grad = nnx.jit(lambda m, x: jax.grad(
+      lambda x: jnp.sum(m(x, is_causal=True, segment_ids=ids)[0, doc] ** 2))(x))(layer, x)
   assert np.all(np.asarray(grad[0, :doc.start]) == 0) and np.all(np.asarray(grad[1]) == 0)
-  want = jax.grad(lambda y: jnp.sum(layer(y, is_causal=True) ** 2))(x[:1, doc])
+  want = nnx.jit(lambda m, y: jax.grad(lambda y: jnp.sum(m(y, is_causal=True) ** 2))(y))(
+      layer, x[:1, doc])
   np.testing.assert_allclose(grad[0, doc], want[0], atol=1e-4, rtol=1e-4)
 
 
@@ -151,7 +161,8 @@ def test_decoding_across_a_boundary_equals_a_fresh_decode_of_the_next_document(n
   layer.init_cache((B, T + 1, IN))
   got = _decode_pieces(layer, x, jnp.asarray(DECODE_IDS))
   tolerance = _tolerance(name)
-  full = layer(x, is_causal=True, segment_ids=jnp.asarray(DECODE_IDS))
+  full = nnx.jit(lambda m, x, ids: m(x, is_causal=True, segment_ids=ids))(
+      layer, x, jnp.asarray(DECODE_IDS))
   np.testing.assert_allclose(got, full, err_msg=name, **tolerance)
   if name not in PATTERNS:
     for row, start in ((0, 4), (1, 7)):
@@ -161,7 +172,8 @@ def test_decoding_across_a_boundary_equals_a_fresh_decode_of_the_next_document(n
                                  **tolerance)
   # Positions without ids continue the last decoded one's document.
   layer.init_cache((B, T + 1, IN))
-  first = layer(x[:, :8], decode=True, segment_ids=jnp.asarray(DECODE_IDS[:, :8]))
+  first = nnx.jit(lambda m, x, ids: m(x, decode=True, segment_ids=ids))(
+      layer, x[:, :8], jnp.asarray(DECODE_IDS[:, :8]))
   rest = _decode_steps(layer, x[:, 8:])
   np.testing.assert_allclose(jnp.concatenate([first, rest], 1), got, err_msg=name, **tolerance)
   assert np.array_equal(_last_ids(layer.cache.get_value()), DECODE_IDS[:, -1])

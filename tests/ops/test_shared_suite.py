@@ -569,16 +569,18 @@ class _Padded(NamedTuple):
                jnp.asarray([n for *_, n in segments], jnp.int32))
 
   def cut(self, x, keys=False):
-    """``x [B, T|S, ...]`` as ``[P, rows|keys, ...]``, zeros past each segment."""
+    """``x [B, T|S, ...]`` as ``[P, rows|keys, ...]``, zeros past each segment (in numpy for
+    a numpy ``x``)."""
+    xp = np if isinstance(x, np.ndarray) else jnp
     size = self.keys if keys else self.rows
     parts = [x[b, c if keys else r] for b, r, c, _ in self.segments]
-    return jnp.stack([jnp.pad(y, [(0, size - y.shape[0])] + [(0, 0)] * (y.ndim - 1))
-                      for y in parts])
+    return xp.stack([xp.pad(y, [(0, size - y.shape[0])] + [(0, 0)] * (y.ndim - 1))
+                     for y in parts])
 
   def place(self, y, like, keys=False):
     """``y [P, rows|keys, ...]`` back at the segments' positions of ``like [B, T|S, ...]``
     (zeros elsewhere), as float64 numbers."""
-    out = np.zeros(like.shape, np.float64)
+    out, y = np.zeros(like.shape, np.float64), np.asarray(y)
     for i, (b, r, c, _) in enumerate(self.segments):
       s = c if keys else r
       out[b, s] = np.asarray(y[i, :s.stop - s.start])
@@ -632,19 +634,18 @@ def _sensitivity_of_segments(name, is_causal, q_ids, kv_ids, lengths):
   implementations."""
   spec = next(c.spec for c in CASES if c.spec.name == name)
   q_ids, kv_ids, lengths = (np.asarray(x) for x in (q_ids, kv_ids, lengths))
-  q, k, v = make_qkv(PACKED._replace(T=q_ids.shape[1]))
+  q, k, v = (np.asarray(x) for x in make_qkv(PACKED._replace(T=q_ids.shape[1])))
   zeros = [np.zeros(x.shape) for x in (q, k, v)]
   what = spec.what_options(suite_options(spec))
   if spec.weights is None or not signed_weights(spec.weights(
       q, k, is_causal=is_causal, key_value_seq_lengths=jnp.asarray(lengths), **what)):
     return zeros
   padded = _Padded.of(q_ids, kv_ids, lengths)
-  ct = padded.cut(cotangent(jnp.zeros(q.shape[:3] + v.shape[3:], q.dtype)))
-  with jax.enable_x64(True):
-    parts = gradient_sensitivity(
-        spec, what, *(jnp.asarray(padded.cut(x, keys=i > 0), jnp.float64)
-                      for i, x in enumerate((q, k, v))),
-        is_causal=is_causal, lengths=padded.lengths, ct=jnp.asarray(ct, jnp.float64))
+  ct = padded.cut(np.asarray(cotangent(np.zeros(q.shape[:3] + v.shape[3:], q.dtype))))
+  with jax.enable_x64(True):  # One compiled program (op by op, it compiled hundreds).
+    parts = jax.jit(functools.partial(gradient_sensitivity, spec, what, is_causal=is_causal))(
+        *(jnp.asarray(padded.cut(x, keys=i > 0), jnp.float64) for i, x in enumerate((q, k, v))),
+        lengths=padded.lengths, ct=jnp.asarray(ct, jnp.float64))
   return [padded.place(y, x, keys=i > 0)
           for i, (y, x) in enumerate(zip(parts, (q, k, v), strict=True))]
 
@@ -671,11 +672,12 @@ def _assert_packed_equals_separate(spec, fast, is_causal, q, k, v, segment_ids, 
                 segment_ids=segment_ids)
 
   separate = _one_segment_at_a_time(spec, fast, is_causal, q, k, q_ids, kv_ids, lengths)
-  want, want_vjp = jax.vjp(separate, q, k, v)
-  ct = cotangent(want)
-  got, got_vjp = jax.vjp(jax.jit(packed), q, k, v)
+  ct = cotangent(jnp.zeros(q.shape[:3] + v.shape[3:], q.dtype))
+  # Each side is one compiled program: the segments' calls, dispatched op by op, compiled
+  # each op on its own.
+  want, wants = output_and_gradients_program(separate)(ct, q, k, v)
+  got, gots = output_and_gradients_program(packed)(ct, q, k, v)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=err_msg)
-  gots, wants = got_vjp(ct), want_vjp(ct)
   within = lambda g, w, s: np.all(  # noqa: E731
       np.abs(np.asarray(g) - w) <= 1e-5 + 1e-4 * np.abs(w) + s)
   gamma = 2 * CONDITIONING_FACTOR * unit_roundoff(jnp.float32)
