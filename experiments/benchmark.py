@@ -313,11 +313,11 @@ def plan_cases(config: Config) -> list[Case]:
       cases.extend(Case("masked", name, MASKED_IMPLEMENTATION, length, mode) for name in masked)
       for name, impl in attention:
         cases.append(Case("attention", name, impl, length, mode))
+        if config.segment_every is not None and takes_segment_ids(name):
+          cases.append(Case("packed", name, impl, length, mode))
       if config.delta_product_steps:
         cases.append(Case("delta_product", f"gated_delta_product_n{config.delta_product_steps}",
                           None, length, mode))
-        if config.segment_every is not None and takes_segment_ids(name):
-          cases.append(Case("packed", name, impl, length, mode))
   return cases
 
 

@@ -77,6 +77,22 @@ def test_benchmark_times_packed_calls_against_the_unpacked_ones(tmp_path):
   assert ids.shape == (2, 25) and ids[0, 9] == 0 and ids[1, 10] == 1 and ids[0, 24] == 2
 
 
+def test_benchmark_times_gated_delta_product_beside_the_registered_variants(tmp_path):
+  """``delta_product_steps``: delta_product_attention with n keys per token, in each mode."""
+  config = benchmark.Config(
+      variants=("gated_delta_net",), implementations=("chunked",), lengths=(12,),
+      batch=1, heads=2, kv_heads=2, head_dim=4, value_dim=4, dtype="float32", causal=True,
+      modes=("forward", "backward"), repeats=1, warmup=0, output_dir=str(tmp_path), plot=False,
+      max_memory_fraction=0.7, options={}, matmul_baseline=False, masked_baseline=False,
+      xla_baseline=False, delta_product_steps=3)
+  cases = benchmark.run_benchmark(config)["cases"]
+  assert [(c["kind"], c["mode"]) for c in cases] == [
+      ("attention", "forward"), ("delta_product", "forward"),
+      ("attention", "backward"), ("delta_product", "backward")]
+  assert all(c["status"] == "ok" for c in cases), [c["status"] for c in cases]
+  assert cases[1]["variant"] == "gated_delta_product_n3"
+
+
 def test_benchmark_times_a_decode_step_after_prefill(tmp_path):
   config = benchmark.Config(
       variants=("efficient",), implementations=("chunked",), lengths=(16, 32), batch=1, heads=2,
