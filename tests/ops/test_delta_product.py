@@ -127,3 +127,26 @@ def test_bad_inputs_raise_value_errors_naming_them():
     delta_product_attention(q, k, v, beta + 1)
   with pytest.raises(ValueError, match="is_causal=False.*recurrence"):
     delta_product_attention(q, k, v, beta, is_causal=False)
+
+
+def test_every_keyword_with_a_non_default_value_under_jit_and_eagerly():
+  q, k, v, beta, g, initial = inputs(seed=6)
+  ids = np.repeat(np.array([[0, 1], [0, 0]]), [5, 6], axis=1)
+  lengths = np.array([11, 8])
+
+  def call(q, k, v, beta, g, initial, ids, lengths):
+    return la.delta_product_attention(
+        q, k, v, beta, log_decay=g, scale=0.25, is_causal=True, key_value_seq_lengths=lengths,
+        segment_ids=ids, initial_state=la.GatedState(initial), return_state=True,
+        implementation="scan", chunk_size=3)
+
+  args = (q, k, v, beta, g, initial, ids, lengths)
+  eager, jitted = call(*args), jax.jit(call)(*args)
+  chex.assert_trees_all_close(eager, jitted, atol=1e-5, rtol=1e-5)
+  reference = la.delta_product_attention_reference(
+      q, k, v, beta, log_decay=g, scale=0.25, is_causal=True, key_value_seq_lengths=lengths,
+      segment_ids=ids, initial_state=la.GatedState(initial), return_state=True, chunk_size=3)
+  chex.assert_trees_all_close(eager, reference, atol=3e-5, rtol=3e-5)
+  first = recurrence(q[:1, :5] * 0.25 / 8 ** -0.5, k[:1, :5], v[:1, :5], beta[:1, :5],
+                     g[:1, :5], initial=initial[:1])[0]  # Row 0's first segment.
+  chex.assert_trees_all_close(eager[0][:1, :5], first, atol=3e-5, rtol=3e-5)
