@@ -1,16 +1,39 @@
-"""Flax NNX layers: multi-head attention over any registered variant, with a decode cache."""
+"""Flax NNX layers: multi-head attention over any registered variant, with a decode cache,
+and the token mixers of released linear-attention models."""
 
 from linattn_jax._src.nn.attention import FeatureProjection, MultiHeadAttention
 from linattn_jax._src.nn.cache import KVCache, StateCache, cache_kind
 from linattn_jax._src.nn.flax_compat import as_flax_attention_fn
+from linattn_jax._src.nn.mixers import (
+    MIXERS,
+    RECIPES,
+    GatedRMSNorm,
+    LowRank,
+    Recipe,
+    RecurrentMixer,
+    RWKV7TimeMixer,
+    ShortConvolution,
+    TokenShift,
+    token_mixer,
+)
 from linattn_jax._src.registry import CacheKind
 
 __all__ = [
+    "MIXERS",
+    "RECIPES",
     "CacheKind",
     "FeatureProjection",
+    "GatedRMSNorm",
     "KVCache",
+    "LowRank",
     "MultiHeadAttention",
+    "RWKV7TimeMixer",
+    "Recipe",
+    "RecurrentMixer",
+    "ShortConvolution",
     "StateCache",
+    "TokenShift",
     "as_flax_attention_fn",
     "cache_kind",
+    "token_mixer",
 ]

@@ -130,25 +130,29 @@ def cache_kind(attention: str) -> CacheKind:
 
 
 def empty(spec: AttentionSpec | None, *, batch: int, capacity: int, num_heads: int,
-          num_kv_heads: int, head_dim: int, dtype: Any,
-          options: Mapping[str, Any]) -> KVCache | StateCache:
+          num_kv_heads: int, head_dim: int, dtype: Any, options: Mapping[str, Any],
+          value_shape: tuple[int, int] | None = None) -> KVCache | StateCache:
   """An empty cache for ``batch`` (B) sequences: a :class:`KVCache` ``[B, K, C, H]`` in
   ``dtype`` for ``spec=None`` (an injected Flax ``attention_fn``) and ``"kv"`` variants,
-  else the variant's initial state (``options``: its options and arrays)."""
+  else the variant's initial state (``options``: its options and arrays). ``value_shape``
+  ``(V, D)``: value heads and their size, when they differ from ``(K, H)`` (grouped value
+  heads of a recurrent state)."""
   B, C, N, K, H = batch, capacity, num_heads, num_kv_heads, head_dim
   zero = jnp.zeros((), jnp.int32)
   if spec is None or spec.cache_kind is CacheKind.KV:
     return KVCache(jnp.zeros((B, K, C, H), dtype), jnp.zeros((B, K, C, H), dtype), zero,
                    jnp.zeros((B, C), jnp.int32))
-  q, kv = jnp.zeros((B, 1, N, H), dtype), jnp.zeros((B, 1, K, H), dtype)
-  return StateCache(_empty_state(spec, q, kv, options), zero, jnp.zeros((B,), jnp.int32))
+  q, k = jnp.zeros((B, 1, N, H), dtype), jnp.zeros((B, 1, K, H), dtype)
+  v = k if value_shape is None else jnp.zeros((B, 1) + tuple(value_shape), dtype)
+  return StateCache(_empty_state(spec, q, k, options, v), zero, jnp.zeros((B,), jnp.int32))
 
 
-def _empty_state(spec: AttentionSpec, q: jax.Array, kv: jax.Array,
-                 options: Mapping[str, Any]) -> Any:
-  """The variant's initial state for queries like ``q [B, T, N, H]`` and keys like ``kv``."""
+def _empty_state(spec: AttentionSpec, q: jax.Array, k: jax.Array,
+                 options: Mapping[str, Any], v: jax.Array | None = None) -> Any:
+  """The variant's initial state for queries like ``q [B, T, N, H]``, keys like ``k`` and
+  values like ``v`` (default: like ``k``)."""
   init = spec.streaming.init
-  return init(q, kv, kv, **accepted(init, options))
+  return init(q, k, k if v is None else v, **accepted(init, options))
 
 
 def segment_ids_of(cache: KVCache | StateCache, segment_ids: jax.Array | None,
@@ -407,7 +411,7 @@ def state_decode(spec: AttentionSpec, cache: StateCache, q: jax.Array, k: jax.Ar
   packed = {}
   if segment_ids is not None:
     restart = ids[:, 0] != cache.segment_id  # [B]
-    empty_ = _empty_state(spec, q, k, options)
+    empty_ = _empty_state(spec, q, k, options, v)
     state = jax.tree.map(
         lambda x, e: jnp.where(restart.reshape((-1,) + (1,) * (x.ndim - 1)), e.astype(x.dtype), x),
         state, empty_)
