@@ -5,8 +5,6 @@ from linattn_jax._src.nn.attention import FeatureProjection, MultiHeadAttention
 from linattn_jax._src.nn.cache import KVCache, StateCache, cache_kind
 from linattn_jax._src.nn.flax_compat import as_flax_attention_fn
 from linattn_jax._src.nn.mixers import (
-    MIXERS,
-    RECIPES,
     GatedRMSNorm,
     LowRank,
     Recipe,
@@ -15,12 +13,11 @@ from linattn_jax._src.nn.mixers import (
     ShortConvolution,
     TokenShift,
     token_mixer,
+    token_mixer_names,
 )
 from linattn_jax._src.registry import CacheKind
 
 __all__ = [
-    "MIXERS",
-    "RECIPES",
     "CacheKind",
     "FeatureProjection",
     "GatedRMSNorm",
@@ -36,4 +33,5 @@ __all__ = [
     "as_flax_attention_fn",
     "cache_kind",
     "token_mixer",
+    "token_mixer_names",
 ]

@@ -97,6 +97,7 @@ NO_PAPER = {
     "linattn_jax.available_attentions", "linattn_jax.get_attention", "linattn_jax.get_spec",
     "linattn_jax.register_attention", "linattn_jax.masks.causal", "linattn_jax.masks.padding",
     "linattn_jax.nn.as_flax_attention_fn", "linattn_jax.nn.cache_kind",
+    "linattn_jax.nn.token_mixer", "linattn_jax.nn.token_mixer_names",
     "linattn_jax.parallel.recurrent_attentions",
     *(name for name in FUNCTIONS if name.rsplit(".", 1)[1].startswith("init_")),
 }
@@ -106,6 +107,7 @@ NO_PAPER = {
 # section; every other public function says what it raises.
 RAISE_NOTHING = {
     "linattn_jax.available_attentions", "linattn_jax.parallel.recurrent_attentions",
+    "linattn_jax.nn.token_mixer_names",
     *(f"linattn_jax.feature_maps.{name}" for name in ("elu_plus_one", "relu", "exp")),
 }
 

@@ -13,7 +13,7 @@ a few small parts:
 - :class:`GatedRMSNorm`: ``RMSNorm(o) ⊙ act(g)`` per head;
 - :class:`LowRank`: ``act(x W_down) W_up + b``;
 - :class:`RecurrentMixer`: the mixer of Gated DeltaNet, KDA, GLA, simple GLA, RetNet
-  and DeltaNet, one class whose recipe (:data:`RECIPES`) says which parts each uses;
+  and DeltaNet, one class whose :class:`Recipe` says which parts each uses;
 - :class:`RWKV7TimeMixer`: RWKV-7's time mixing (token shift, low-rank gates, value
   residual, group norm).
 
@@ -142,6 +142,17 @@ class ShortConvolution(_CausalWindow):
     param_dtype: the parameters'.
     rngs: ``params`` draws the kernel, ``U(±1/sqrt(W))`` as PyTorch's default.
 
+  Examples:
+    >>> conv = nn.ShortConvolution(8, 4, rngs=nnx.Rngs(0))
+    >>> conv.kernel.shape  # [W, F]
+    (4, 8)
+    >>> x = jax.random.normal(jax.random.key(0), (2, 5, 8))
+    >>> full = conv(x)
+    >>> conv.init_cache(x.shape)
+    >>> steps = jnp.concatenate([conv(x[:, :3], decode=True), conv(x[:, 3:], decode=True)], 1)
+    >>> bool(jnp.allclose(steps, full, atol=1e-6))
+    True
+
   Reference: Arora et al., "Simple linear attention language models balance the
   recall-throughput tradeoff" (Based), 2024; Yang et al., "Gated Delta Networks", 2025.
   """
@@ -177,8 +188,19 @@ class ShortConvolution(_CausalWindow):
 
 
 class TokenShift(_CausalWindow):
-  """The previous token of each position, ``x_{t-1}`` (zero at a document's start): RWKV's
-  token shift. No parameters; decoding keeps the last input and its id."""
+  """RWKV's token shift: the previous token of each position (zero at a document's start).
+
+  ``x [B, T, F]`` -> ``x_{t-1}`` ``[B, T, F]``. No parameters; decoding keeps the last
+  input and its id.
+
+  Examples:
+    >>> shift = nn.TokenShift(1)
+    >>> x = jnp.arange(1.0, 6.0).reshape(1, 5, 1)
+    >>> shift(x)[0, :, 0]
+    Array([0., 1., 2., 3., 4.], dtype=float32)
+    >>> shift(x, segment_ids=jnp.array([[0, 0, 1, 1, 1]]))[0, :, 0]  # A document from t = 2.
+    Array([0., 1., 0., 3., 4.], dtype=float32)
+  """
 
   def __init__(self, features: int):
     self.features = checks.check_positive_int(features, name="features", fn="TokenShift")
@@ -195,8 +217,9 @@ class TokenShift(_CausalWindow):
 class GatedRMSNorm(nnx.Module):
   """``RMSNorm(x) ⊙ act(g)`` over the last axis: ``x / sqrt(mean(x²) + eps) ⊙ scale ⊙ act(g)``.
 
-  The output norm of the gated token mixers, applied per head (the last axis is a
-  head's D). Computed in float32, returned in ``dtype`` (default: ``x``'s).
+  The output norm of the gated token mixers, applied per head: ``x`` and ``g``
+  ``[..., D]``, the last axis a head's D. Computed in float32, returned in ``dtype``
+  (default: ``x``'s).
 
   Args:
     features: the last axis' size.
@@ -204,6 +227,12 @@ class GatedRMSNorm(nnx.Module):
     activation: the gate's ``"swish"`` (Gated DeltaNet, GLA, RetNet), ``"sigmoid"``
       (KDA), or None for a norm without a gate.
     use_scale: learn ``scale [features]`` (ones at first).
+
+  Examples:
+    >>> norm = nn.GatedRMSNorm(4, rngs=nnx.Rngs(0))
+    >>> o, g = jnp.array([1.0, -1.0, 1.0, -1.0]), jnp.full((4,), 20.0)
+    >>> norm(o, g).round(3)  # swish(20) ≈ 20
+    Array([ 20., -20.,  20., -20.], dtype=float32)
 
   Reference: Zhang and Sennrich, "Root Mean Square Layer Normalization", 2019.
   """
@@ -232,8 +261,16 @@ class GatedRMSNorm(nnx.Module):
 class LowRank(nnx.Module):
   """``act(x W_down) W_up + b``: a projection through rank R (``down [in, R]``, ``up [R, out]``).
 
+  ``x [..., in]`` -> ``[..., out]``.
   KDA's decay and output gate, GLA's decay and RWKV-7's low-rank gates (their
   "LoRA") are this, as ``nn.Sequential(Linear, act, Linear)`` in PyTorch.
+
+  Examples:
+    >>> low = nn.LowRank(32, 4, 64, activation="tanh", rngs=nnx.Rngs(0))
+    >>> low.down.kernel.shape, low.up.kernel.shape, low.up.bias.shape
+    ((32, 4), (4, 64), (64,))
+    >>> low(jnp.ones((2, 32))).shape
+    (2, 64)
   """
 
   def __init__(self, in_features: int, rank: int, out_features: int, *,
@@ -256,7 +293,7 @@ class LowRank(nnx.Module):
 
 @dataclasses.dataclass(frozen=True)
 class Recipe:
-  """Which parts a paper's token mixer uses (see :class:`RecurrentMixer`).
+  """Which parts a paper's token mixer uses (see :class:`RecurrentMixer`); holds no arrays.
 
   Attributes:
     attention: the registered recurrence.
@@ -273,6 +310,11 @@ class Recipe:
       (the norm alone).
     low_rank_gate: the output gate's projection goes through rank D (KDA).
     expand_v: the paper's default D / H.
+
+  Examples:
+    >>> recipe = nn.RecurrentMixer("kda", 32, 2, rngs=nnx.Rngs(0)).recipe
+    >>> recipe.attention, recipe.decay, recipe.output_gate
+    ('kda', 'kda', 'sigmoid')
   """
 
   attention: str
@@ -309,7 +351,7 @@ class RecurrentMixer(nnx.Module):
   with SiLU; without them, SiLU alone for the delta rules and nothing for the
   others, as the papers), q and k L2-normalised per head for the delta rules, the
   gates below, and the output gate ``g = x W_g`` per output head. ``name`` is one of
-  :data:`RECIPES`; each recipe names its recurrence and reference layer:
+  the recipes below; each recipe names its recurrence and reference layer:
 
   ============== ======================== =================== ====================
   name           recurrence               reference layer     decay
@@ -370,7 +412,7 @@ class RecurrentMixer(nnx.Module):
   ``allow_neg_eigval`` and their GLA ``feature_map`` and ``clamp_min`` options.
 
   Args:
-    name: a key of :data:`RECIPES`.
+    name: a recipe (the table above).
     hidden_size: F.
     num_heads: N (and K unless ``num_kv_heads``).
     head_dim: H (default F // N).
@@ -658,6 +700,16 @@ class RWKV7TimeMixer(nnx.Module):
     ValueError: for H not dividing F, a ``layer_index`` outside ``[0, num_layers)``,
       a later layer called without ``v_first``, or inputs that are not ``[B, T, F]``.
 
+  Examples:
+    >>> first = nn.RWKV7TimeMixer(32, head_dim=8, num_layers=2, rngs=nnx.Rngs(0))
+    >>> second = nn.RWKV7TimeMixer(32, head_dim=8, layer_index=1, num_layers=2,
+    ...                            rngs=nnx.Rngs(1))
+    >>> x = jax.random.normal(jax.random.key(0), (1, 6, 32))
+    >>> h, v_first = first(x)
+    >>> out, _ = second(x + h, v_first)
+    >>> out.shape, second.r_k.shape  # [B, T, F], [K, H]
+    ((1, 6, 32), (4, 8))
+
   Reference: Peng et al., "RWKV-7 'Goose' with Expressive Dynamic State Evolution", 2025.
   """
 
@@ -790,14 +842,19 @@ class RWKV7TimeMixer(nnx.Module):
 
 def token_mixer(name: str, hidden_size: int, num_heads: int, *, layer_index: int = 0,
                 num_layers: int = 1, **options: Any) -> nnx.Module:
-  """A paper's token mixer by name: a :class:`RecurrentMixer` recipe (:data:`RECIPES`) or
-  ``"rwkv7"`` (:class:`RWKV7TimeMixer`, with ``head_dim = hidden_size // num_heads``).
+  """A paper's token mixer by name (one of :func:`token_mixer_names`), for inputs ``[B, T, F]``.
 
-  ``layer_index`` and ``num_layers`` reach RWKV-7 only (its value residual and initial
-  values); ``options`` go to the class.
+  A :class:`RecurrentMixer` recipe, or ``"rwkv7"`` (:class:`RWKV7TimeMixer`, with
+  ``head_dim = hidden_size // num_heads``). ``layer_index`` and ``num_layers`` reach
+  RWKV-7 only (its value residual and initial values); ``options`` go to the class.
 
   Raises:
     ValueError: for an unknown name.
+
+  Examples:
+    >>> mixer = nn.token_mixer("gla", 32, 4, rngs=nnx.Rngs(0))
+    >>> type(mixer).__name__, mixer.recipe.attention
+    ('RecurrentMixer', 'gla')
   """
   if name == "rwkv7":
     return RWKV7TimeMixer(hidden_size, head_dim=hidden_size // num_heads,
@@ -807,3 +864,15 @@ def token_mixer(name: str, hidden_size: int, num_heads: int, *, layer_index: int
 
 
 MIXERS: tuple[str, ...] = tuple(RECIPES) + ("rwkv7",)
+
+
+def token_mixer_names() -> tuple[str, ...]:
+  """The names :func:`token_mixer` takes: the :class:`RecurrentMixer` recipes and ``"rwkv7"``.
+
+  Takes no arrays.
+
+  Examples:
+    >>> nn.token_mixer_names()
+    ('gated_deltanet', 'kda', 'gla', 'simple_gla', 'retnet', 'deltanet', 'rwkv7')
+  """
+  return MIXERS
