@@ -353,16 +353,16 @@ class RecurrentMixer(nnx.Module):
   gates below, and the output gate ``g = x W_g`` per output head. ``name`` is one of
   the recipes below; each recipe names its recurrence and reference layer:
 
-  ============== ======================== =================== ====================
-  name           recurrence               reference layer     decay
-  ============== ======================== =================== ====================
-  gated_deltanet ``gated_delta_net``      GatedDeltaNet       Mamba2, per head
-  kda            ``kda``                  KimiDeltaAttention  KDA, per key feature
-  gla            ``gla``                  GatedLinearAttention low-rank, per feature
-  simple_gla     ``simple_gla``           SimpleGatedLinearAttention log-sigmoid
-  retnet         ``retention``            MultiScaleRetention fixed per head
-  deltanet       ``delta_net``            DeltaNet            none
-  ============== ======================== =================== ====================
+  ============== ==================== ========================== =====================
+  name           recurrence           reference layer            decay
+  ============== ==================== ========================== =====================
+  gated_deltanet ``gated_delta_net``  GatedDeltaNet              Mamba2, per head
+  kda            ``kda``              KimiDeltaAttention         KDA, per key feature
+  gla            ``gla``              GatedLinearAttention       low-rank, per feature
+  simple_gla     ``simple_gla``       SimpleGatedLinearAttention log-sigmoid, per head
+  retnet         ``retention``        MultiScaleRetention        fixed per head
+  deltanet       ``delta_net``        DeltaNet                   none
+  ============== ==================== ========================== =====================
 
   The parameters, with their names and shapes in the reference layers
   (flash-linear-attention's ``fla.layers``; a PyTorch ``Linear``'s ``weight`` is our
