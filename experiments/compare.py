@@ -8,7 +8,12 @@ Every entry of ``--attentions`` runs ``train.py``'s loop with the same flags
 An entry is a registered name, optionally with a label after ``@`` so one
 variant can run with several options (``performer@16,performer@256``); its
 options come from ``--options_by_attention``, a JSON object keyed by entry
-(an entry without options of its own takes those of its bare name). Writes
+(an entry without options of its own takes those of its bare name). An entry
+``layers:PATTERN`` runs a layer pattern instead (``train.py``'s
+``--layer_pattern`` with ``+`` between the layers): ``layers:kda`` is KDA's token
+mixer in every layer, ``layers:gated_deltanet+gated_deltanet+gated_deltanet+attention``
+Qwen3-Next's hybrid (its attention layers: ``--attention``); its options go to the
+mixers (``--mixer_options``' place). Writes
 ``--workdir/comparison.md`` (final metric, tokens/s, compiled memory of the
 train step, size of the decode state), ``--workdir/curves.png`` (every
 entry's learning curve) and, for causal tasks, ``--workdir/state.png`` (the
@@ -55,8 +60,24 @@ def entry_options(entries: Sequence[str], written: str | None) -> dict[str, Any]
 
 
 def attention_name(entry: str) -> str:
-  """The registered name of a ``name`` or ``name@label`` entry."""
+  """The registered name of a ``name`` or ``name@label`` entry (``layers:PATTERN`` for a
+  layer-pattern entry)."""
   return entry.split("@", 1)[0]
+
+
+def entry_layers(entry: str) -> list[str] | None:
+  """The layer pattern of a ``layers:PATTERN[@label]`` entry; None for an attention's."""
+  name = attention_name(entry)
+  return name.removeprefix("layers:").split("+") if name.startswith("layers:") else None
+
+
+def cannot_pack(base: train.Config, entry: str) -> str | None:
+  """Why the entry's rows cannot be packed (token mixers always can), or None."""
+  layers = entry_layers(entry)
+  if layers is not None and "attention" not in layers:
+    return train.cannot_pack(data.TASKS[base.task], "linear_elu", base.context_parallel)
+  attention = base.attention if layers is not None else attention_name(entry)
+  return train.cannot_pack(data.TASKS[base.task], attention, base.context_parallel)
 
 
 def train_step_memory(config: train.Config) -> int | None:
@@ -90,13 +111,19 @@ def compare(base: train.Config, attentions: Sequence[str],
             options: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
   configs = {}
   for entry in attentions:  # Every entry is checked before the first one trains.
-    name = attention_name(entry)
-    cannot = train.cannot_pack(data.TASKS[base.task], name, base.context_parallel)
+    name, layers = attention_name(entry), entry_layers(entry)
+    cannot = cannot_pack(base, entry)
     if base.pack and cannot is not None:
       raise app.UsageError(f"--attentions entry {entry}: --pack: {cannot}; pass --nopack.")
+    written = options.get(entry, options.get(name, {}))
+    if layers is None:
+      config = dataclasses.replace(base, attention=name, attention_options=written,
+                                   layer_pattern="attention")
+    else:
+      config = dataclasses.replace(base, layer_pattern=",".join(layers),
+                                   mixer_options=written or base.mixer_options)
     configs[entry] = dataclasses.replace(
-        base, attention=name, attention_options=options.get(entry, options.get(name, {})),
-        workdir=str(pathlib.Path(base.workdir) / entry))
+        config, workdir=str(pathlib.Path(base.workdir) / entry.replace(":", "_")))
     train.check_model(configs[entry], f"--attentions entry {entry}")
   rows = []
   for entry, config in configs.items():
@@ -104,7 +131,9 @@ def compare(base: train.Config, attentions: Sequence[str],
     records = [json.loads(line) for line in
                (pathlib.Path(config.workdir) / "metrics.jsonl").read_text().splitlines()]
     rates = [r["tokens_per_s"] for r in records if "tokens_per_s" in r]
-    rows.append({"attention": entry, "options": config.attention_options,
+    rows.append({"attention": entry, "options": (config.attention_options
+                                                 if entry_layers(entry) is None
+                                                 else config.mixer_options),
                  "final": summary["final"], "tokens_per_s": sorted(rates)[len(rates) // 2],
                  "train_step_temp_bytes": train_step_memory(config),
                  "state_floats": decode_state_floats(config), "records": records})
@@ -163,9 +192,8 @@ def main(argv: Sequence[str]) -> None:
   options = entry_options(entries, common.OPTIONS_BY_ATTENTION.value)
   base = train.config_from_flags()
   if flags.FLAGS["pack"].value is None:  # Packed where every entry can be: one data for all.
-    base = dataclasses.replace(base, pack=all(
-        train.cannot_pack(data.TASKS[base.task], attention_name(entry), base.context_parallel)
-        is None for entry in entries))
+    base = dataclasses.replace(base, pack=all(cannot_pack(base, entry) is None
+                                              for entry in entries))
   train.quiet_orbax()
   with train.exit_status():
     rows = compare(base, entries, options)

@@ -55,7 +55,7 @@ from jax.sharding import PartitionSpec as P
 import linattn_jax as la
 from experiments import common, data
 from experiments.model import Transformer
-from linattn_jax import parallel
+from linattn_jax import nn, parallel
 
 _ATTENTION = flags.DEFINE_string("attention", "linear_elu", "A registered attention name.")
 _ATTENTION_OPTIONS = flags.DEFINE_string(
@@ -94,6 +94,15 @@ _PACK = flags.DEFINE_bool(
     "attention and the short convolution stay inside a document, positions count from its "
     "start, and no target crosses a boundary. Default: on where it can run (char_lm, with an "
     "--attention, and a --context_parallel, that take segment_ids).")
+_LAYER_PATTERN = flags.DEFINE_list(
+    "layer_pattern", ["attention"], "What each layer mixes tokens with, cycled over the "
+    "layers: 'attention' (--attention) or a token mixer's name (linattn_jax.nn."
+    "token_mixer_names(): gated_deltanet, kda, gla, simple_gla, retnet, deltanet, rwkv7), "
+    "e.g. gated_deltanet,gated_deltanet,gated_deltanet,attention for Qwen3-Next's hybrid. "
+    "Mixers are causal (decoders).")
+_MIXER_OPTIONS = flags.DEFINE_string(
+    "mixer_options", "", "Options of every token mixer, as --attention_options, e.g. "
+    "num_v_heads=8 or attention_options={\"chunk_size\":16}.")
 _CONTEXT_PARALLEL = flags.DEFINE_integer(
     "context_parallel", 1, "Devices each sequence is split over (ring attention for softmax "
     "and flash, state passing for recurrent variants); the batch is split over the rest.")
@@ -131,6 +140,8 @@ class Config:
   context_parallel: int = 1
   short_conv: int = 0
   pack: bool = False
+  layer_pattern: str = "attention"  # Comma-separated: "attention" or token mixer names.
+  mixer_options: dict[str, Any] = dataclasses.field(default_factory=dict)
 
   def training(self) -> dict[str, Any]:
     """The fields that define what is trained (compared on resume)."""
@@ -180,6 +191,11 @@ def config_from_flags() -> Config:
     options = parse_options(_ATTENTION_OPTIONS.value)
   except (ValueError, json.JSONDecodeError) as e:
     raise app.UsageError(f"--attention_options does not parse: {e}.") from e
+  try:
+    mixer_options = parse_options(_MIXER_OPTIONS.value)
+  except (ValueError, json.JSONDecodeError) as e:
+    raise app.UsageError(f"--mixer_options does not parse: {e}.") from e
+  pattern = [x.strip() for x in _LAYER_PATTERN.value if x.strip()] or ["attention"]
   for flag in (_SEQ_LEN, _BATCH_SIZE, _NUM_STEPS, _NUM_LAYERS, _MODEL_DIM, _NUM_HEADS,
                _EVAL_EVERY, _EVAL_BATCHES, _CHECKPOINT_EVERY, _LOG_EVERY):
     if flag.value < 1:
@@ -226,8 +242,10 @@ def config_from_flags() -> Config:
     raise app.UsageError(f"--redraw_every applies to random-feature attentions; "
                          f"--attention={_ATTENTION.value} has none.")
   config = Config(**{f.name: flags.FLAGS[f.name].value for f in dataclasses.fields(Config)
-                     if f.name not in ("attention_options", "pack")},
-                  attention_options=options, pack=pack)
+                     if f.name not in ("attention_options", "pack", "layer_pattern",
+                                       "mixer_options")},
+                  attention_options=options, pack=pack, layer_pattern=",".join(pattern),
+                  mixer_options=mixer_options)
   check_model(config, "--attention_options / sizes")
   return config
 
@@ -248,7 +266,7 @@ def check_model(config: Config, what: str) -> None:
   """Builds the model abstractly, so bad options or sizes fail before any write."""
   try:
     jax.eval_shape(lambda: nnx.split(make_model(config)))
-  except ValueError as e:
+  except (ValueError, TypeError) as e:  # TypeError: a keyword a layer does not take.
     raise app.UsageError(f"{what}: {e}") from e
 
 
@@ -273,6 +291,8 @@ def make_model(config: Config, seed: int | None = None) -> Transformer:
       num_kv_heads=config.num_kv_heads, attention=config.attention,
       attention_options=config.attention_options, dtype=jnp.dtype(config.dtype),
       context_parallel=split, short_conv=config.short_conv,
+      layer_pattern=tuple(config.layer_pattern.split(",")),
+      mixer_options=config.mixer_options,
       rngs=nnx.Rngs(config.seed if seed is None else seed))
 
 
@@ -451,7 +471,8 @@ class Trainer:
     model = self.model()
     key = jax.random.fold_in(jax.random.key(self.config.seed), step)
     for i, block in enumerate(model.blocks):
-      block.attn.redraw(jax.random.fold_in(key, i))
+      if isinstance(block.attn, nn.MultiHeadAttention):  # Token mixers draw nothing.
+        block.attn.redraw(jax.random.fold_in(key, i))
     _, _, rest = nnx.split(model, nnx.Param, ...)
     self.state = {**self.state, "rest": jax.device_put(rest, self.replicated)}
 

@@ -13,7 +13,8 @@ from flax import nnx
 
 import linattn_jax as la
 from experiments import data, train
-from experiments.model import ShortConv, Transformer, positions
+from experiments.model import Transformer, positions
+from linattn_jax import nn
 
 # The training loop steps optax (see conftest: standard dtype promotion for it).
 pytestmark = pytest.mark.standard_dtype_promotion
@@ -50,20 +51,20 @@ def test_short_convolution_does_not_mix_documents():
   """Training: each output equals its document convolved alone. Decoding, in a prompt, steps
   and a chunk across a boundary: the same outputs, and the next document equals a fresh
   decode of it."""
-  conv = ShortConv(4, 3, dtype=None, rngs=nnx.Rngs(0))
+  conv = nn.ShortConvolution(4, 3, activation=None, use_bias=True, rngs=nnx.Rngs(0))
   x = jax.random.normal(jax.random.key(0), (2, L, 4))
   ids = jnp.asarray(_ids())
   packed = conv(x, decode=False, segment_ids=ids)
   for b, doc in _documents():
     np.testing.assert_allclose(packed[b, doc], conv(x[b:b + 1, doc], decode=False)[0],
                                atol=1e-6, rtol=1e-6)
-  conv.init_cache(2, jnp.float32)
+  conv.init_cache((2, L, 4))
   pieces = (3, 1, 3, 1, 8)  # The chunk at 4..6 crosses row 0's first boundary.
   bounds = np.cumsum((0,) + pieces)
   decoded = jnp.concatenate([conv(x[:, a:e], decode=True, segment_ids=ids[:, a:e])
                              for a, e in zip(bounds[:-1], bounds[1:], strict=True)], 1)
   np.testing.assert_allclose(decoded, packed, atol=1e-6, rtol=1e-6)
-  conv.init_cache(1, jnp.float32)
+  conv.init_cache((1, L, 4))
   fresh = jnp.concatenate([conv(x[:1, t:t + 1], decode=True) for t in range(5, 12)], 1)
   np.testing.assert_allclose(decoded[:1, 5:12], fresh, atol=1e-6, rtol=1e-6)
 

@@ -26,7 +26,7 @@ import pytest
 from absl import app, flags
 
 from experiments import data, train
-from linattn_jax import parallel
+from linattn_jax import nn, parallel
 
 # The training loop steps optax (see conftest: standard dtype promotion for it).
 pytestmark = pytest.mark.standard_dtype_promotion
@@ -304,6 +304,9 @@ def parse_flags():
     ("--context_parallel=3", "--context_parallel=3 must divide the 8 local devices"),
     ("--task=listops --short_conv=2", "--short_conv is causal"),
     ("--task=mqar --pack", "--pack: --task=mqar has no documents to pack"),
+    ("--layer_pattern=mamba,attention", "['mamba'] are neither 'attention' nor a token mixer"),
+    ("--task=listops --layer_pattern=kda", "token mixers are causal"),
+    ("--layer_pattern=kda --mixer_options=chunk_size=4", "unexpected keyword argument"),
 ])
 def test_bad_flags_are_refused_naming_them(parse_flags, flag, message):
   with pytest.raises((app.UsageError, flags.IllegalFlagValueError), match=re.escape(message)):
@@ -386,14 +389,25 @@ def test_compare_defaults_apply_to_the_entries_that_run():
     compare.entry_options(["softmax"], '{"local": {"window_size": [4, 0]}}')
 
 
-def test_decoding_with_a_short_convolution_equals_the_full_pass():
+@pytest.mark.parametrize("pattern", [("attention",), ("gated_deltanet", "rwkv7", "rwkv7",
+                                                     "attention")], ids=["attention", "hybrid"])
+def test_decoding_with_a_short_convolution_equals_the_full_pass(pattern):
+  """Through attention layers, and a hybrid of token mixers (RWKV-7's value residual passed
+  from its first layer to the next) and an attention layer."""
   from flax import nnx
 
   from experiments.model import Transformer
 
-  model = Transformer(vocab_size=11, num_classes=None, max_len=12, dim=16, num_layers=2,
-                      num_heads=2, num_kv_heads=1, attention="linear_elu", attention_options={},
-                      dtype=None, short_conv=3, rngs=nnx.Rngs(0))
+  model = Transformer(vocab_size=11, num_classes=None, max_len=12, dim=16,
+                      num_layers=len(pattern) if len(pattern) > 1 else 2, num_heads=2,
+                      num_kv_heads=1, attention="linear_elu", attention_options={},
+                      dtype=None, short_conv=3, layer_pattern=pattern,
+                      mixer_options={"attention_options": {"chunk_size": 4}}
+                      if len(pattern) > 1 else None, rngs=nnx.Rngs(0))
+  if len(pattern) > 1:  # RWKV-7 starts its output projection at zero: draw it.
+    for block in model.blocks:
+      if isinstance(block.attn, nn.RWKV7TimeMixer):
+        block.attn.o_proj.kernel.set_value(0.3 * jnp.ones((16, 16)))
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 11, (2, 9)))
   full = nnx.jit(lambda model, tokens: model(tokens))(model, tokens)
   model.init_cache(2, 12)
