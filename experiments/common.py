@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from absl import app, flags
 
 import linattn_jax as la
+from linattn_jax import nn
 
 # JAX logs at INFO that it found no TPU; absl prints INFO, so without this it would be the
 # first line of every script on a machine without one.
@@ -36,7 +37,8 @@ OUTPUT_DIR = flags.DEFINE_string(
     "output_dir", None, "Where the JSON and plots go (default: results/<script name>).")
 PLOT = flags.DEFINE_bool("plot", True, "Write PNG plots (needs matplotlib).")
 ATTENTIONS = flags.DEFINE_list(
-    "attentions", None, "Registered variants to run (compare: also name@label entries). "
+    "attentions", None, "Registered variants to run (compare: also name@label entries, and "
+    "layers:PATTERN entries, token mixers and attention layers joined by '+'). "
     "Default: the script's own list (its module docstring names it).")
 
 
@@ -44,7 +46,12 @@ ATTENTIONS = flags.DEFINE_list(
 def _registered(entries: list[str] | None) -> bool:
   """Each entry (``name`` or ``name@label``) names a registered variant; a bad one stops the
   script with this one line (and a pointer to ``--help``), not the whole flag list."""
-  unknown = sorted({e.split("@", 1)[0] for e in entries or ()} - set(la.available_attentions()))
+  names = {e.split("@", 1)[0] for e in entries or ()}
+  layers = {x for n in names if n.startswith("layers:")
+            for x in n.removeprefix("layers:").split("+")}
+  unknown = sorted({n for n in names if not n.startswith("layers:")}
+                   - set(la.available_attentions())
+                   | layers - {"attention", *nn.token_mixer_names()})
   if unknown:
     raise flags.ValidationError(
         f"unknown attention(s) {unknown}; available: {la.available_attentions()}")

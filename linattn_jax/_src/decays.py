@@ -71,6 +71,10 @@ def pair_weights(x: jax.Array, y: jax.Array, g: jax.Array) -> jax.Array:
   if g.shape[-1] == 1:
     return jnp.einsum("...ih,...jh->...ij", x, y) * jnp.exp(segment_sums(g[..., 0], -1))
   C = x.shape[-2]
+  # One leading shape for all three: einsum's broadcasting of size-1 leading axes, under
+  # grad inside lax.scan, made XLA:CPU (jaxlib 0.10, its YNNPACK dot fusion) crash.
+  lead = jnp.broadcast_shapes(x.shape[:-2], y.shape[:-2], g.shape[:-2])
+  x, y, g = (jnp.broadcast_to(z, lead + z.shape[-2:]) for z in (x, y, g))
   padded = 1 << (C - 1).bit_length()  # Added positions: g = 0, x = y = 0 (no weight).
   x, y, g = (pad_axis(z, z.ndim - 2, padded) for z in (x, y, g))
   span = min(_DIRECT_SPAN, padded)

@@ -98,6 +98,25 @@ def test_gradients_of_the_chunked_form_match_the_oracle():
   chex.assert_trees_all_close(got, want, atol=5e-5, rtol=5e-5)
 
 
+def test_decay_gradient_of_a_batch_of_chunks_of_16():
+  """The shape at which XLA:CPU once crashed on this gradient (B = 16, two chunks of the
+  default 16, one decay per key feature): it runs, and equals the scan form's."""
+  keys = jax.random.split(jax.random.key(7), 6)
+  B, T, K, H = 16, 32, 2, 16
+  q, k, v = (jax.random.normal(x, (B, T, K, H)) for x in keys[:3])
+  kappa = jax.random.normal(keys[3], (B, T, K, H))
+  kappa = kappa / jnp.linalg.norm(kappa, axis=-1, keepdims=True)
+  g = -0.5 * jax.nn.sigmoid(jax.random.normal(keys[4], (B, T, K, H)))
+
+  def loss(g, implementation):
+    return jnp.sum(jnp.sin(dplr_attention(q, k, v, -kappa, 0.5 * kappa, log_decay=g,
+                                          implementation=implementation)))
+
+  got = jax.jit(jax.grad(loss), static_argnums=1)(g, "chunked")
+  want = jax.jit(jax.grad(loss), static_argnums=1)(g, "scan")
+  chex.assert_trees_all_close(got, want, atol=5e-5, rtol=5e-5)
+
+
 def test_the_delta_rule_is_the_case_a_minus_beta_k_b_k():
   """``a = -β k``, ``b = k`` with the decay applied first (``a = -β k ⊙ exp(g)``) and the
   write ``(β k) vᵀ`` is Gated DeltaNet's (and, with a decay per feature, KDA's) recurrence."""
