@@ -3,6 +3,8 @@
     python -m experiments.train                       # char_lm, linear_elu, CPU-sized
     python -m experiments.train --attention=performer --attention_options=num_features=64
     python -m experiments.train --task=mqar --attention=softmax --seq_len=64
+    python -m experiments.train --task=mqar --num_layers=4 --attention=softmax \
+        --layer_pattern=gated_deltanet,gated_deltanet,gated_deltanet,attention
 
 Data order is a function of (seed, step) (see ``data.py``); orbax checkpoints
 in ``--workdir`` make a rerun of the same command after the process died
