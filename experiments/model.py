@@ -58,13 +58,13 @@ class Block(nnx.Module):
     h = self.attn_norm(x)
     if self.short_conv is not None:
       h = self.short_conv(h, decode=decode, segment_ids=segment_ids)
-    if isinstance(self.attn, nn.MultiHeadAttention):
+    if isinstance(self.attn, nn.RWKV7TimeMixer):
+      h, v_first = self.attn(h, v_first, decode=decode, segment_ids=segment_ids)
+    elif isinstance(self.attn, nn.RecurrentMixer):
+      h = self.attn(h, decode=decode, segment_ids=segment_ids)
+    else:  # An attention layer (or one standing in for it, as experiments.model_step's).
       h = self.attn(h, is_causal=causal, decode=decode, key_value_seq_lengths=lengths,
                     segment_ids=segment_ids)
-    elif isinstance(self.attn, nn.RWKV7TimeMixer):
-      h, v_first = self.attn(h, v_first, decode=decode, segment_ids=segment_ids)
-    else:
-      h = self.attn(h, decode=decode, segment_ids=segment_ids)
     x = x + h
     return x + self.mlp_out(jax.nn.gelu(self.mlp_in(self.mlp_norm(x)))), v_first
 
