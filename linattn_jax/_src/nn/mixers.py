@@ -758,9 +758,10 @@ class RWKV7TimeMixer(nnx.Module):
     self.o_proj = linear_(F, F, initializers.zeros_init())
 
     def lora(rank, activation, bias=None):
+      orthogonal = initializers.orthogonal(0.1 * max(1.0, math.sqrt(F / rank)))
       return LowRank(F, rank, F, activation=activation, use_bias=bias is not None,
-                     down_init=initializers.zeros_init(),
-                     up_init=initializers.orthogonal(0.1 * max(1.0, math.sqrt(F / rank))),
+                     down_init=initializers.zeros_init(),  # QR in float32 (not in bfloat16):
+                     up_init=lambda key, shape, dtype: orthogonal(key, shape).astype(dtype),
                      bias_init=(lambda *_: bias.astype(param_dtype)) if bias is not None
                      else initializers.zeros_init(),
                      dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
