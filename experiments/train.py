@@ -264,6 +264,15 @@ def cannot_pack(task: data.Task, attention: str, context_parallel: int) -> str |
   return None
 
 
+def describe(config: Config) -> str:
+  """What mixes the tokens: the attention and its options, or the layer pattern."""
+  attention = f"attention={config.attention} {config.attention_options or ''}".rstrip()
+  if config.layer_pattern == "attention":
+    return attention
+  mixers = f"layers={config.layer_pattern} {config.mixer_options or ''}".rstrip()
+  return f"{mixers}, {attention}" if "attention" in config.layer_pattern.split(",") else mixers
+
+
 def check_model(config: Config, what: str) -> None:
   """Builds the model abstractly, so bad options or sizes fail before any write."""
   try:
@@ -741,8 +750,7 @@ def train(config: Config) -> dict[str, Any]:
   task = data.TASKS[config.task]
   params = sum(x.size for x in jax.tree.leaves(trainer.state["params"]))
   print(f"{task.name} ({task.describe}{', packed' if config.pack else ''}); "
-        f"attention={config.attention} "
-        f"{config.attention_options or ''}; {params / 1e6:.2f}M parameters; "
+        f"{describe(config)}; {params / 1e6:.2f}M parameters; "
         f"{jax.local_device_count()} {jax.default_backend()} device(s)", flush=True)
   tokens_per_step = config.batch_size * config.seq_len
   began, last_time, last_step = time.perf_counter(), time.perf_counter(), start
@@ -796,7 +804,7 @@ def finish(config: Config, workdir: pathlib.Path, trainer: Trainer,
   summary = {"config": dataclasses.asdict(config), "final": evals[-1] if evals else None}
   if config.task == "char_lm":
     summary["unigram_entropy_bits"] = data.unigram_entropy_bits()
-  plot_curves(workdir, records, f"{config.task}, attention={config.attention}")
+  plot_curves(workdir, records, f"{config.task}, {describe(config)}")
   if evals:
     print("final eval: " + "  ".join(f"{k} {v:.4f}" for k, v in evals[-1].items()
                                      if k.startswith("eval_")), flush=True)
