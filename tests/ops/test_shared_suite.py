@@ -69,8 +69,6 @@ PARITY_CASES = [c for c in CASES if c.implementation != "reference"]
 CAUSAL_CASES = [c for c in CASES if c.spec.supports(c.implementation, True)]
 case_param = pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 STREAM_CASES = [c for c in CAUSAL_CASES if c.spec.streaming is not None]
-stream_case_param = pytest.mark.parametrize(
-    "case", STREAM_CASES, ids=[c.id for c in STREAM_CASES])
 SPLIT_CASES = [c for c in STREAM_CASES if c.spec.streaming.state_passing]
 # The state protocol is the variant's, not an implementation's: one case per variant.
 STREAM_SPECS = list({c.spec.name: c.spec for c in STREAM_CASES}.values())
@@ -221,9 +219,10 @@ def test_the_oracles_are_causal(case, shape):
 # Streaming -----------------------------------------------------------------
 
 
-@stream_case_param
-def test_streaming_step_equals_causal_pass(case, seeds):
-  spec, _ = case
+@stream_spec_param
+def test_streaming_step_equals_causal_pass(spec, seeds):
+  """The step is the variant's, not an implementation's (it reads only the suite's options):
+  one case per variant."""
   stream = spec.streaming
   shape = SHAPES[0]  # T == S.
   q, k, v = make_qkv(shape)
@@ -242,24 +241,32 @@ def test_streaming_step_equals_causal_pass(case, seeds):
                           err_msg=f"seed {seed}:")
 
 
+SPLITS = (1, 6, 12)  # Of SHAPES[0]'s 13 positions: a one-token head, mid-chunk, a one-token tail.
+
+
 @split_case_param
-@pytest.mark.parametrize("split", [1, 6, 12])
-def test_state_passing_split_equals_one_pass(case, split, seeds):
+def test_state_passing_split_equals_one_pass(case, seeds):
+  """Each split, carrying the head's state into the tail, equals one pass (the splits
+  computed by one compiled program: one per split cost a trace and compile each)."""
   spec, impl = case
   fast, _ = build(spec, impl)
 
   @jax.jit
   def in_two(q, k, v):
-    head = lambda x: x[:, :split]  # noqa: E731
-    tail = lambda x: x[:, split:]  # noqa: E731
-    out1, state = fast(head(q), head(k), head(v), is_causal=True, return_state=True)
-    out2 = fast(tail(q), tail(k), tail(v), is_causal=True, initial_state=state)
-    return jnp.concatenate([out1, out2], axis=1)
+    outs = []
+    for split in SPLITS:
+      head = lambda x, split=split: x[:, :split]  # noqa: E731
+      tail = lambda x, split=split: x[:, split:]  # noqa: E731
+      out1, state = fast(head(q), head(k), head(v), is_causal=True, return_state=True)
+      out2 = fast(tail(q), tail(k), tail(v), is_causal=True, initial_state=state)
+      outs.append(jnp.concatenate([out1, out2], axis=1))
+    return outs
 
   for seed in seeds:
     q, k, v = make_qkv(SHAPES[0], seed=seed)
-    assert_matches_oracle(in_two(q, k, v), spec, q, k, v, is_causal=True,
-                          err_msg=f"seed {seed}:")
+    for split, out in zip(SPLITS, in_two(q, k, v), strict=True):
+      assert_matches_oracle(out, spec, q, k, v, is_causal=True,
+                            err_msg=f"split {split}, seed {seed}:")
 
 
 # The state protocol ------------------------------------------------------------------
