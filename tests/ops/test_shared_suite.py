@@ -69,8 +69,6 @@ PARITY_CASES = [c for c in CASES if c.implementation != "reference"]
 CAUSAL_CASES = [c for c in CASES if c.spec.supports(c.implementation, True)]
 case_param = pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 STREAM_CASES = [c for c in CAUSAL_CASES if c.spec.streaming is not None]
-stream_case_param = pytest.mark.parametrize(
-    "case", STREAM_CASES, ids=[c.id for c in STREAM_CASES])
 SPLIT_CASES = [c for c in STREAM_CASES if c.spec.streaming.state_passing]
 # The state protocol is the variant's, not an implementation's: one case per variant.
 STREAM_SPECS = list({c.spec.name: c.spec for c in STREAM_CASES}.values())
@@ -221,9 +219,10 @@ def test_the_oracles_are_causal(case, shape):
 # Streaming -----------------------------------------------------------------
 
 
-@stream_case_param
-def test_streaming_step_equals_causal_pass(case, seeds):
-  spec, _ = case
+@stream_spec_param
+def test_streaming_step_equals_causal_pass(spec, seeds):
+  """The step is the variant's, not an implementation's (it reads only the suite's options):
+  one case per variant."""
   stream = spec.streaming
   shape = SHAPES[0]  # T == S.
   q, k, v = make_qkv(shape)
@@ -242,24 +241,32 @@ def test_streaming_step_equals_causal_pass(case, seeds):
                           err_msg=f"seed {seed}:")
 
 
+SPLITS = (1, 6, 12)  # Of SHAPES[0]'s 13 positions: a one-token head, mid-chunk, a one-token tail.
+
+
 @split_case_param
-@pytest.mark.parametrize("split", [1, 6, 12])
-def test_state_passing_split_equals_one_pass(case, split, seeds):
+def test_state_passing_split_equals_one_pass(case, seeds):
+  """Each split, carrying the head's state into the tail, equals one pass (the splits
+  computed by one compiled program: one per split cost a trace and compile each)."""
   spec, impl = case
   fast, _ = build(spec, impl)
 
   @jax.jit
   def in_two(q, k, v):
-    head = lambda x: x[:, :split]  # noqa: E731
-    tail = lambda x: x[:, split:]  # noqa: E731
-    out1, state = fast(head(q), head(k), head(v), is_causal=True, return_state=True)
-    out2 = fast(tail(q), tail(k), tail(v), is_causal=True, initial_state=state)
-    return jnp.concatenate([out1, out2], axis=1)
+    outs = []
+    for split in SPLITS:
+      head = lambda x, split=split: x[:, :split]  # noqa: E731
+      tail = lambda x, split=split: x[:, split:]  # noqa: E731
+      out1, state = fast(head(q), head(k), head(v), is_causal=True, return_state=True)
+      out2 = fast(tail(q), tail(k), tail(v), is_causal=True, initial_state=state)
+      outs.append(jnp.concatenate([out1, out2], axis=1))
+    return outs
 
   for seed in seeds:
     q, k, v = make_qkv(SHAPES[0], seed=seed)
-    assert_matches_oracle(in_two(q, k, v), spec, q, k, v, is_causal=True,
-                          err_msg=f"seed {seed}:")
+    for split, out in zip(SPLITS, in_two(q, k, v), strict=True):
+      assert_matches_oracle(out, spec, q, k, v, is_causal=True,
+                            err_msg=f"split {split}, seed {seed}:")
 
 
 # The state protocol ------------------------------------------------------------------
@@ -470,31 +477,42 @@ def test_jit_eager_vmap_and_unbatched_agree_without_retracing(case):
 # 5. Low precision -----------------------------------------------------------
 
 
+LOW_PRECISION = (jnp.bfloat16, jnp.float16)
+
+
 @case_param
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
-def test_low_precision_round_trip(case, dtype, seeds):
+def test_low_precision_round_trip(case, seeds):
+  """bfloat16 and float16 inputs: outputs and gradients keep the dtype, match the oracle
+  (near one-hot weights too) and stay finite. Both dtypes' output and gradients come from
+  one compiled program (one per dtype cost a trace and compile each)."""
   spec, impl = case
   fast, _ = build(spec, impl)
   is_causal = _hardest_mode(spec, impl)
   shape = SHAPES[0]
   lengths = kv_lengths(shape)
-  ct = cotangent(jnp.zeros((shape.B, shape.T, shape.N, shape.D), dtype))
+  cts = [cotangent(jnp.zeros((shape.B, shape.T, shape.N, shape.D), dtype))
+         for dtype in LOW_PRECISION]
 
-  output_and_gradients = output_and_gradients_program(
-      lambda q, k, v: _call(fast, q, k, v, is_causal, lengths))
+  one_dtype = output_and_gradients_program(
+      lambda q, k, v: _call(fast, q, k, v, is_causal, lengths)).__wrapped__
+  output_and_gradients = jax.jit(lambda cts, qkvs: [one_dtype(ct, *qkv)
+                                                     for ct, qkv in zip(cts, qkvs, strict=True)])
   for seed, amplitude in itertools.product(seeds, (1.0, 30.0)):  # 30: near one-hot weights.
-    q, k, v = make_qkv(shape, dtype, seed=seed, amplitude=amplitude)
-    out, grads = output_and_gradients(ct, q, k, v)
-    assert out.dtype == dtype
-    msg = f"seed {seed}, amplitude {amplitude}:"
-    if amplitude == 1.0:
-      assert_matches_oracle(out, spec, q, k, v, is_causal=is_causal, lengths=lengths, err_msg=msg)
-    else:
-      assert_stress_output_matches_oracle(out, spec, q, k, v, is_causal=is_causal,
-                                          lengths=lengths, amplitude=amplitude, err_msg=msg)
-    assert all(g.dtype == dtype for g in grads)
-    assert_finite_gradients(grads, spec, q, k, v, is_causal=is_causal, lengths=lengths, ct=ct,
-                            err_msg=msg)
+    qkvs = [make_qkv(shape, dtype, seed=seed, amplitude=amplitude) for dtype in LOW_PRECISION]
+    results = output_and_gradients(cts, qkvs)
+    for dtype, ct, (q, k, v), (out, grads) in zip(LOW_PRECISION, cts, qkvs, results,
+                                                  strict=True):
+      assert out.dtype == dtype
+      msg = f"{jnp.dtype(dtype).name}, seed {seed}, amplitude {amplitude}:"
+      if amplitude == 1.0:
+        assert_matches_oracle(out, spec, q, k, v, is_causal=is_causal, lengths=lengths,
+                              err_msg=msg)
+      else:
+        assert_stress_output_matches_oracle(out, spec, q, k, v, is_causal=is_causal,
+                                            lengths=lengths, amplitude=amplitude, err_msg=msg)
+      assert all(g.dtype == dtype for g in grads)
+      assert_finite_gradients(grads, spec, q, k, v, is_causal=is_causal, lengths=lengths,
+                              ct=ct, err_msg=msg)
 
 
 BIAS_CASES = [c for c in CASES if "bias" in inspect.signature(c.spec.function).parameters]
