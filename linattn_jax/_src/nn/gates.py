@@ -108,12 +108,7 @@ class GateProjections:
     params = {}
     if self.decay == "mamba2":
       params["a_kernel"] = kernel_init(rngs.params(), (F, K), dtype)
-      params["A_log"] = jnp.log(jax.random.uniform(rngs.params(), (K,), jnp.float32,
-                                                   1.0, 16.0)).astype(dtype)
-      dt = jnp.exp(jax.random.uniform(rngs.params(), (K,), jnp.float32,
-                                      math.log(1e-3), math.log(1e-1)))
-      # Inverse softplus: softplus(dt_bias) = dt.
-      params["dt_bias"] = (dt + jnp.log(-jnp.expm1(-dt))).astype(dtype)
+      params["A_log"], params["dt_bias"] = mamba2_decay_init(rngs, (K,), (K,), dtype)
     elif self.decay == "low_rank":
       params["gk_kernel_1"] = kernel_init(rngs.params(), (F, GLA_GATE_RANK), dtype)
       params["gk_kernel_2"] = kernel_init(rngs.params(), (GLA_GATE_RANK, K * H), dtype)
@@ -151,6 +146,17 @@ class GateProjections:
       gates[self.read_name] = -kappa
       gates[self.write_name] = kappa * jax.nn.sigmoid(per_head(dot(x, param("iclr_kernel"))))
     return gates
+
+
+def mamba2_decay_init(rngs: nnx.Rngs, a_shape: tuple[int, ...], dt_shape: tuple[int, ...],
+                      dtype: Dtype) -> tuple[jax.Array, jax.Array]:
+  """Mamba2's ``(A_log, dt_bias)``: ``A_log = log U(1, 16)`` and ``dt_bias`` the inverse
+  softplus of a log-uniform dt in [0.001, 0.1] (``softplus(dt_bias) = dt``), drawn in that
+  order from ``rngs.params``."""
+  A_log = jnp.log(jax.random.uniform(rngs.params(), a_shape, jnp.float32, 1.0, 16.0))
+  dt = jnp.exp(jax.random.uniform(rngs.params(), dt_shape, jnp.float32, math.log(1e-3),
+                                  math.log(1e-1)))
+  return A_log.astype(dtype), (dt + jnp.log(-jnp.expm1(-dt))).astype(dtype)
 
 
 def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:

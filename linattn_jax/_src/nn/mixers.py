@@ -41,7 +41,12 @@ from flax.typing import Dtype, Initializer, PrecisionLike, Shape
 
 from linattn_jax._src import checks
 from linattn_jax._src.nn import cache as cache_lib
-from linattn_jax._src.nn.gates import l2_normalize
+from linattn_jax._src.nn.gates import (
+    GLA_GATE_NORMALIZER,
+    GLA_GATE_RANK,
+    l2_normalize,
+    mamba2_decay_init,
+)
 from linattn_jax._src.registry import Role, get_spec
 
 _DEFAULT_KERNEL_INIT = initializers.lecun_normal()
@@ -338,8 +343,6 @@ RECIPES: Mapping[str, Recipe] = {
     "retnet": Recipe("retention", "MultiScaleRetention", short_conv=False, expand_v=2.0),
     "deltanet": Recipe("delta_net", "DeltaNet", beta=True, unit_qk=True, output_gate=None),
 }
-GATE_LOGIT_NORMALIZER = 16.0  # GLA and simple GLA divide their log-sigmoid gates by 16.
-GLA_GATE_RANK = 16
 
 
 class RecurrentMixer(nnx.Module):
@@ -521,12 +524,9 @@ class RecurrentMixer(nnx.Module):
     self.a_proj = self.f_proj = self.gk_proj = self.b_proj = nnx.data(None)
     self.A_log = self.dt_bias = nnx.data(None)
     if recipe.decay in ("mamba2", "kda"):
-      self.A_log = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (V,), f32, 1.0, 16.0)
-                                     ).astype(param_dtype))
       dt_shape = (V,) if recipe.decay == "mamba2" else (V * H,)
-      dt = jnp.exp(jax.random.uniform(rngs.params(), dt_shape, f32, math.log(1e-3),
-                                      math.log(1e-1)))
-      self.dt_bias = nnx.Param((dt + jnp.log(-jnp.expm1(-dt))).astype(param_dtype))
+      A_log, dt_bias = mamba2_decay_init(rngs, (V,), dt_shape, param_dtype)
+      self.A_log, self.dt_bias = nnx.Param(A_log), nnx.Param(dt_bias)
     if recipe.decay == "mamba2":
       self.a_proj = linear(F, V, dtype=f32)
     elif recipe.decay == "kda":
@@ -576,10 +576,10 @@ class RecurrentMixer(nnx.Module):
       a = jnp.exp(self.A_log.get_value().astype(jnp.float32))[:, None]  # [V, 1]
       out[self._decay_name] = -_lead(a, f) * jax.nn.softplus(f)
     elif recipe.decay == "gla":
-      out[self._decay_name] = (jax.nn.log_sigmoid(self.gk_proj(x)) / GATE_LOGIT_NORMALIZER
+      out[self._decay_name] = (jax.nn.log_sigmoid(self.gk_proj(x)) / GLA_GATE_NORMALIZER
                                ).reshape(lead + (V, H))
     elif recipe.decay == "logsigmoid":
-      out[self._decay_name] = jax.nn.log_sigmoid(self.gk_proj(x)) / GATE_LOGIT_NORMALIZER
+      out[self._decay_name] = jax.nn.log_sigmoid(self.gk_proj(x)) / GLA_GATE_NORMALIZER
     if recipe.beta:
       out[self._beta_name] = jax.nn.sigmoid(self.b_proj(x))
     return out
