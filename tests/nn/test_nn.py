@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _helpers import TOLERANCE, CompileCounter, suite_options
+from _helpers import TOLERANCE, CompileCounter, layer_paths, suite_options
 from flax import linen, nnx
 
 import linattn_jax as la
@@ -153,8 +153,11 @@ def _full_and_pieces(layer, x):
                                 for a, b in zip(bounds[:-1], bounds[1:], strict=True)], 1)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("name", CAUSAL)
+# Every variant decodes in bfloat16 here; in float32 through the layer's paths here, and
+# every variant with segment ids in test_nn_packing.py (one program: prompt, steps, chunks).
+@pytest.mark.parametrize("name, dtype", [
+    *[pytest.param(name, jnp.bfloat16, id=f"{name}-bf16") for name in CAUSAL],
+    *[pytest.param(name, jnp.float32, id=f"{name}-f32") for name in layer_paths(CAUSAL)]])
 def test_prefill_then_steps_equals_one_causal_call(name, dtype):
   """A prompt, single tokens, a later chunk: together one causal call over the sequence."""
   layer = _layer(name, dtype)

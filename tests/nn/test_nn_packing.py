@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _helpers import TOLERANCE, suite_options
+from _helpers import TOLERANCE, layer_paths, suite_options
 from flax import nnx
 
 import linattn_jax as la
@@ -57,7 +57,9 @@ def _same_segment(ids):  # [B, T] -> [B, 1, T, T]
   return (ids[:, :, None] == ids[:, None, :])[:, None]
 
 
-@pytest.mark.parametrize("name", [name for name in PACKED if name not in PATTERNS])
+# The layer's paths (a KV cache, a recurrent state, arrays it owns, gates it projects): the
+# shared suite checks each variant's packed call, forward and gradient, in every form.
+@pytest.mark.parametrize("name", layer_paths([name for name in PACKED if name not in PATTERNS]))
 def test_a_packed_call_equals_each_document_alone(name):
   """Forward and gradient: a row of documents equals each document run by itself, causal
   (and bidirectional for exact softmax; the recurrences pack causal rows only).
@@ -154,8 +156,11 @@ def _decode_steps(layer, x):
 
 @pytest.mark.parametrize("name", DECODED)
 def test_decoding_across_a_boundary_equals_a_fresh_decode_of_the_next_document(name):
-  """Decoding a packed row equals the packed call; the document after the boundary equals
-  it decoded from a fresh cache (but for a pattern, whose positions are the row's)."""
+  """Decoding a packed row equals the packed call. Through each of the layer's paths: the
+  document after the boundary equals it decoded from a fresh cache (but for a pattern,
+  whose positions are the row's), and positions without ids continue the last document.
+  (For the other variants the first follows from the packed call's test and the prefill
+  test; the second is the cache's bookkeeping, the same on each path.)"""
   layer = _layer(name)
   x = jax.random.normal(jax.random.key(3), (B, T, IN))
   layer.init_cache((B, T + 1, IN))
@@ -164,6 +169,9 @@ def test_decoding_across_a_boundary_equals_a_fresh_decode_of_the_next_document(n
   full = nnx.jit(lambda m, x, ids: m(x, is_causal=True, segment_ids=ids))(
       layer, x, jnp.asarray(DECODE_IDS))
   np.testing.assert_allclose(got, full, err_msg=name, **tolerance)
+  assert np.array_equal(_last_ids(layer.cache.get_value()), DECODE_IDS[:, -1])
+  if name not in layer_paths(DECODED):
+    return
   if name not in PATTERNS:
     for row, start in ((0, 4), (1, 7)):
       layer.init_cache((1, T + 1, IN))

@@ -6,7 +6,7 @@ import dataclasses
 import functools
 import inspect
 import itertools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
@@ -144,6 +144,29 @@ SUITE_SETTINGS: dict[str, SuiteSettings] = {
 def suite_options(spec) -> dict[str, Any]:
   """The options the suite calls ``spec`` with (its small-shape settings)."""
   return dict(SUITE_SETTINGS.get(spec.name, SuiteSettings()).options)
+
+
+def layer_paths(names: Sequence[str]) -> list[str]:
+  """The first of ``names`` for each path a layer takes to a variant: its decode cache, a
+  pattern (and whether a decoded row gathers its keys) or not, exact softmax or not, arrays
+  it owns, per-token inputs it projects, and a positional state.
+
+  The layer tests that check what the layer adds (its cache's bookkeeping, segment ids
+  reaching the call, gradients that stay in their document) run these; those that check
+  each variant's own decode or packed path run every name, and the shared suite checks
+  each variant's function (packed, streamed, split) against its oracle.
+  """
+  seen, chosen = set(), []
+  for name in names:
+    spec = la.get_spec(name)
+    path = (spec.cache_kind, spec.dense_mask is not None, spec.decode_rows is not None,
+            spec.full_softmax,
+            spec.params is not None, bool(spec.token_inputs),
+            spec.streaming is not None and spec.streaming.positional)
+    if path not in seen:
+      seen.add(path)
+      chosen.append(name)
+  return chosen
 
 
 class Case(NamedTuple):
