@@ -117,17 +117,18 @@ def _inverse_by_halves(M: jax.Array) -> jax.Array:
                           jnp.concatenate([below, D_inv], axis=-1)], axis=-2)
 
 
-def _delta_writes(S, chunk: recurrence.Chunk):
+def _delta_writes(S, chunk: recurrence.Chunk, kk: jax.Array | None = None):
   """The chunk's writes ``u [B, K, C, D]`` by one unit triangular inverse (the WY/UT form),
   ``U = (I + L)⁻¹ diag(β) (V - (K ⊙ Γ) S_0)`` with ``L_ij = β_i Σ_h k_ih k_jh Γ_ih / Γ_jh``
-  (j < i; :func:`pair_weights`); also ``log Γ_i`` ``[B, K, C, H|1]`` and the state after
-  the chunk."""
+  (j < i; :func:`pair_weights`, or ``kk`` where the caller formed them); also ``log Γ_i``
+  ``[B, K, C, H|1]`` and the state after the chunk."""
   g, beta = chunk.gates  # [B, K, C, H|1] (a decay per head or per key feature), [B, K, C, 1]
   k = chunk.fk
   C = k.shape[2]
   prefix = jnp.cumsum(g, axis=2)  # log Γ_i
   strictly_lower = jnp.tril(jnp.ones((C, C), bool), -1)
-  L = jnp.where(strictly_lower, beta * pair_weights(k, k, g), 0)
+  kk = pair_weights(k, k, g) if kk is None else kk
+  L = jnp.where(strictly_lower, beta * kk, 0)
   system = L + jnp.eye(C, dtype=L.dtype)[None, None]
   read = jnp.einsum("bkih,bkhd->bkid", k * jnp.exp(prefix), S)  # (S_0ᵀ diag(Γ_i) k_i)ᵀ
   u = exact_matmul(unit_lower_inverse(system), beta * (chunk.v - read))
@@ -140,10 +141,14 @@ def _delta_writes(S, chunk: recurrence.Chunk):
 def _delta_chunk(config, S, chunk: recurrence.Chunk):
   """C queries against the state and the chunk's writes: ``(S_C, out [B, K, G, C, D])``."""
   del config
-  u, prefix, S_end = _delta_writes(S, chunk)
   q = chunk.fq
   g = chunk.gates[0][:, :, None]  # [B, K, 1, C, H|1]
-  a = pair_weights(q, chunk.fk[:, :, None], g)  # [B, K, G, C, C]
+  k = chunk.fk[:, :, None]  # [B, K, 1, C, H]
+  # The keys' and the queries' pair weights against the keys in one call: their decays
+  # (with one per key feature, most of the work) are formed once.
+  weights = pair_weights(jnp.concatenate([k, q], axis=2), k, g)  # [B, K, 1 + G, C, C]
+  u, prefix, S_end = _delta_writes(S, chunk, kk=weights[:, :, 0])
+  a = weights[:, :, 1:]  # [B, K, G, C, C]
   out = (jnp.einsum("bkgij,bkjd->bkgid", a, u)
          + jnp.einsum("bkgih,bkhd->bkgid", q * jnp.exp(prefix)[:, :, None], S))
   return S_end, out
@@ -253,8 +258,8 @@ def delta_rule_attention(
     key: ``[B, S, K, H]``; K must divide N.
     value: ``[B, S, K, D]``, or ``[B, S, V, D]`` with V a multiple of K (grouped value
       heads: then N = K, and ``beta`` and ``log_decay`` are per value head).
-    beta: ``[B, S, K]`` write strengths in [0, 1] (checked where concrete: not under
-      ``jax.jit``).
+    beta: ``[B, S, K]`` write strengths in [0, 2] (above 1: negative eigenvalues; checked
+      where concrete: not under ``jax.jit``).
     log_decay: optional ``g`` ``[B, S, K]`` (Gated DeltaNet) or ``[B, S, K, H]`` (one per
       key feature: KDA), ≤ 0 (None: no decay, DeltaNet); checked where concrete.
     scale: multiplies the query (a static float); default ``1 / sqrt(H)``.
@@ -324,7 +329,7 @@ def delta_rule_attention_step(state: GatedState, query: ArrayLike, key: ArrayLik
     query: ``[B, N, H]`` (no B when unbatched, like the state).
     key: ``[B, K, H]``.
     value: ``[B, K, D]``.
-    beta: ``[B, K]`` in [0, 1].
+    beta: ``[B, K]`` in [0, 2].
     log_decay: optional ``[B, K]`` (or ``[B, K, H]``: KDA), ≤ 0.
     scale: multiplies the query; default ``1 / sqrt(H)``.
 
