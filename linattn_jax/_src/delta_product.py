@@ -30,7 +30,7 @@ from linattn_jax._src.gated import GatedState, grouped_value_heads
 from linattn_jax._src.registry import Role, TokenInput
 
 
-def _steps_in_order(query, key, value, beta, log_decay, lengths, segment_ids, *, fn: str):
+def steps_in_order(query, key, value, beta, log_decay, lengths, segment_ids, *, fn: str):
   """The call as the delta rule over n·S steps: ``(query, key, value, beta, log_decay,
   lengths, segment_ids, n)``, each array with its positions interleaved (no B unbatched)."""
   q, k, v = (jnp.asarray(x) for x in (query, key, value))
@@ -73,7 +73,7 @@ def _first_step(g: jax.Array, n: int, batch_axes: int) -> jax.Array:
 def _delta_product(query, key, value, beta, *, log_decay, key_value_seq_lengths, segment_ids,
                    fn: str, **options):
   checks.check_static_bool(options["is_causal"], name="is_causal", fn=fn)  # Its error first.
-  query, key, value, beta, log_decay, lengths, segment_ids, n = _steps_in_order(
+  query, key, value, beta, log_decay, lengths, segment_ids, n = steps_in_order(
       query, key, value, beta, log_decay, key_value_seq_lengths, segment_ids, fn=fn)
   result = run_delta_rule(query, key, value, beta, log_decay=log_decay,
                           key_value_seq_lengths=lengths, segment_ids=segment_ids, fn=fn,
@@ -109,7 +109,7 @@ def delta_product_attention(
     query: ``[B, T, N, H]`` (or unbatched ``[T, N, H]``).
     key: ``[B, S, n, K, H]``: n keys per token; K must divide N.
     value: ``[B, S, n, K, D]`` (or ``[B, S, n, V, D]``: grouped value heads, N = K).
-    beta: ``[B, S, n, K]`` write strengths in [0, 1] (checked where concrete).
+    beta: ``[B, S, n, K]`` write strengths in [0, 2] (checked where concrete).
     log_decay: optional ``[B, S, K]`` (or ``[B, S, K, H]``), ≤ 0: one decay per token
       (None: DeltaProduct without a gate).
     scale: multiplies the query (a static float); default ``1 / sqrt(H)``.
@@ -200,7 +200,7 @@ def delta_product_attention_step(state: GatedState, query: ArrayLike, key: Array
     query: ``[B, N, H]`` (no B when unbatched, like the state).
     key: ``[B, n, K, H]``.
     value: ``[B, n, K, D]``.
-    beta: ``[B, n, K]`` in [0, 1].
+    beta: ``[B, n, K]`` in [0, 2].
     log_decay: optional ``[B, K]`` (or ``[B, K, H]``), ≤ 0.
     scale: multiplies the query; default ``1 / sqrt(H)``.
 

@@ -217,10 +217,13 @@ class Role(str, enum.Enum):
   one per key feature); the state is multiplied by ``exp(g)`` before the token
   writes (``-inf`` or a large negative value resets it). A layer projects it from
   its input: Mamba2's parameterisation per head, GLA's low-rank gate per feature.
-  ``WRITE_STRENGTH``: ``β ∈ [0, 1]`` (``[B, S, K]``), how much of the value
-  replaces what the key already stores (the delta rule); the write is a
-  contraction only for unit keys, so a layer projects ``σ(x w)`` and
-  L2-normalises queries and keys (:attr:`unit_keys`).
+  ``WRITE_STRENGTH``: ``β ∈ [0, 2]`` (``[B, S, K]``), how much of the value
+  replaces what the key already stores (the delta rule). For a unit key the
+  transition ``I - β k kᵀ`` has the eigenvalue ``1 - β`` along k and 1 elsewhere, so
+  every β in [0, 2] keeps the state from growing, and β > 1 gives the negative
+  eigenvalues that let a linear RNN track state (Grazzi et al., 2025); only for
+  unit keys, so a layer L2-normalises queries and keys (:attr:`unit_keys`) and
+  projects ``σ(x w)``, or ``2 σ(x w)`` for the whole range.
   ``TRANSITION_READ`` and ``TRANSITION_WRITE``: the vectors ``a`` and ``b`` ``[B, S, K, H]``
   of the low-rank part of a diagonal-plus-low-rank transition ``diag(exp(g_t)) +
   b_t a_tᵀ`` (DPLR, RWKV-7): ``a`` reads from the state, ``b`` writes what it read back;
@@ -228,7 +231,7 @@ class Role(str, enum.Enum):
 
   Examples:
     >>> la.Role.WRITE_STRENGTH.bounds, la.Role.WRITE_STRENGTH.unit_keys
-    ((0.0, 1.0), True)
+    ((0.0, 2.0), True)
   """
 
   DECAY = "decay"
@@ -240,7 +243,7 @@ class Role(str, enum.Enum):
   def bounds(self) -> tuple[float, float]:
     """The closed range of the input's entries."""
     inf = float("inf")
-    return {Role.DECAY: (-inf, 0.0), Role.WRITE_STRENGTH: (0.0, 1.0)}.get(self, (-inf, inf))
+    return {Role.DECAY: (-inf, 0.0), Role.WRITE_STRENGTH: (0.0, 2.0)}.get(self, (-inf, inf))
 
   @property
   def unit_keys(self) -> bool:

@@ -64,7 +64,10 @@ def _reference_recurrent(m: nn.RecurrentMixer, x: jax.Array) -> jax.Array:
                for c, y in zip("qkv", (q, k, v), strict=True))
   elif r.unit_qk:
     q, k, v = jax.nn.silu(q), jax.nn.silu(k), jax.nn.silu(v)
-  q, k, v = q.reshape(B, -1, N, H), k.reshape(B, -1, K, H), v.reshape(B, -1, V, D)
+  n = m.num_householder  # Keys, values and β: n per token, laid out (n, heads, dims).
+  steps = () if n == 1 else (n,)
+  q, k, v = (q.reshape(B, -1, N, H), k.reshape((B, -1) + steps + (K, H)),
+             v.reshape((B, -1) + steps + (V, D)))
   if r.unit_qk:
     q, k = _unit(q), _unit(k)
   if r.decay == "mamba2":
@@ -81,9 +84,10 @@ def _reference_recurrent(m: nn.RecurrentMixer, x: jax.Array) -> jax.Array:
     g = jnp.broadcast_to(jnp.log(1 - 2.0 ** (-5.0 - jnp.arange(V, dtype=jnp.float32))),
                          (B, x.shape[1], V))
   if r.beta:
-    beta = jax.nn.sigmoid(x @ p("b_proj.kernel"))
-    o = la.delta_rule_attention_reference(q, k, v, beta, log_decay=g if r.decay else None,
-                                          is_causal=True)
+    beta = jax.nn.sigmoid(x @ p("b_proj.kernel")) * (2 if m.allow_neg_eigval else 1)
+    beta = beta.reshape((B, -1) + steps + (V,))
+    oracle = la.delta_rule_attention_reference if n == 1 else la.delta_product_attention_reference
+    o = oracle(q, k, v, beta, log_decay=g if r.decay else None, is_causal=True)
   else:
     o = la.gated_linear_attention_reference(q, k, v, g, is_causal=True)
   o = _rms(o, p("o_norm.scale"), m.o_norm.epsilon)
@@ -130,6 +134,9 @@ def _reference_rwkv7(m: nn.RWKV7TimeMixer, x: jax.Array, v_first=None):
 _NORMAL = jax.nn.initializers.normal(0.3)
 CONFIGS = {
     "gated_deltanet": ("gated_deltanet", dict(num_heads=2, num_v_heads=4)),
+    # Three steps per token, and grouped value heads.
+    "gated_deltaproduct": ("gated_deltaproduct", dict(num_heads=2, num_v_heads=4,
+                                                      num_householder=3)),
     "kda": ("kda", dict(num_heads=2, num_v_heads=4, head_dim=8)),
     "gla": ("gla", dict(num_heads=4, num_kv_heads=2, short_conv=True, conv_size=3,
                         expand_v=2.0)),
@@ -139,8 +146,10 @@ CONFIGS = {
     "retnet": ("retnet", dict(num_heads=2, attention_options={"implementation": "scan"},
                               param_dtype=jnp.bfloat16, dtype=jnp.float32,
                               precision="highest")),
+    # β in [0, 2].
     "deltanet": ("deltanet", dict(num_heads=2, short_conv=False, output_gate=True,
-                                  attention_options={"chunk_size": 4})),
+                                  allow_neg_eigval=True, attention_options={"chunk_size": 4})),
+    "deltaproduct": ("deltanet", dict(num_heads=2, num_householder=2)),  # No gate, n = 2.
     "rwkv7": ("rwkv7", dict(head_dim=8, num_layers=3, decay_rank=8, a_rank=8, gate_rank=4,
                             norm_eps=1e-3, attention_options={"chunk_size": 4},
                             precision="highest")),
@@ -208,8 +217,8 @@ def _full_pieces_and_alone(m, x, ids):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("case", ["gated_deltanet", "kda", "gla", "simple_gla", "retnet",
-                                  "deltanet", "rwkv7"])
+@pytest.mark.parametrize("case", ["gated_deltanet", "gated_deltaproduct", "kda", "gla",
+                                  "simple_gla", "retnet", "deltanet", "rwkv7"])
 def test_prefill_then_steps_and_packed_rows_equal_the_full_pass(case, dtype):
   """Decoding a prompt, steps and a chunk (a document starting inside the chunk) equals
   the packed causal pass, whose second document equals that document alone."""
@@ -259,6 +268,7 @@ def test_parameter_tables_name_every_parameter_with_its_shape(case):
   else:
     sizes = {"F": F, "N": m.num_heads, "K": m.num_kv_heads, "V": m.num_v_heads,
              "H": m.head_dim, "D": m.value_dim, "O": max(m.num_heads, m.num_v_heads),
+             "n": m.num_householder,
              "W": CONFIGS[case][1].get("conv_size", 4)}
     rows = _table(nn.RecurrentMixer)
   documented: dict[str, set] = {}
@@ -314,13 +324,16 @@ def test_parts_equal_their_formulas(jit):
 
 
 def test_mixers_by_name_and_errors():
-  assert len(nn.token_mixer_names()) == 7
+  assert len(nn.token_mixer_names()) == 8
   assert isinstance(nn.token_mixer("rwkv7", F, 4, rngs=nnx.Rngs(0)), nn.RWKV7TimeMixer)
   assert nn.token_mixer("kda", F, 4, rngs=nnx.Rngs(0)).recipe.attention == "kda"
   with pytest.raises(ValueError, match="unknown name='mamba'"):
     nn.token_mixer("mamba", F, 4, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match=r"num_v_heads=3 must be a multiple of num_kv_heads=2"):
     nn.RecurrentMixer("gated_deltanet", F, 2, num_v_heads=3, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"num_householder=2 and allow_neg_eigval=False act on "
+                     "the delta rule's writes; 'gla' has none"):
+    nn.RecurrentMixer("gla", F, 2, num_householder=2, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="unknown|not an option|chunk_sise"):
     nn.RecurrentMixer("gla", F, 2, attention_options={"chunk_sise": 4}, rngs=nnx.Rngs(0))
   m = nn.RecurrentMixer("deltanet", F, 2, rngs=nnx.Rngs(0))

@@ -52,7 +52,7 @@ def inputs(*, T=11, S=11, n=2, seed=0):
   k = rng.normal(size=(B, S, n, K, H))
   k /= np.linalg.norm(k, axis=-1, keepdims=True)
   v = rng.normal(size=(B, S, n, K, D))
-  beta = rng.uniform(0, 1, size=(B, S, n, K))
+  beta = rng.uniform(0, 2, size=(B, S, n, K))  # β > 1: negative eigenvalues.
   g = np.log(rng.uniform(0.6, 1.0, size=(B, S, K)))
   initial = rng.normal(size=(B, K, H, D))
   return tuple(x.astype(np.float32) for x in (q, k, v, beta, g, initial))
@@ -123,8 +123,8 @@ def test_bad_inputs_raise_value_errors_naming_them():
     delta_product_attention(q, k, v, beta[..., 0])
   with pytest.raises(ValueError, match=r"log_decay must be a float array .*\(2, 11, 2\)"):
     delta_product_attention(q, k, v, beta, log_decay=g[:, :3])
-  with pytest.raises(ValueError, match=r"beta \(write_strength\) must lie in \[0.0, 1.0\]"):
-    delta_product_attention(q, k, v, beta + 1)
+  with pytest.raises(ValueError, match=r"beta \(write_strength\) must lie in \[0.0, 2.0\]"):
+    delta_product_attention(q, k, v, beta + 2)
   with pytest.raises(ValueError, match="is_causal=False.*recurrence"):
     delta_product_attention(q, k, v, beta, is_causal=False)
 

@@ -58,7 +58,8 @@ def inputs(*, T=13, S=13, per_feature=False, reset=False, seed=0):
   g = np.log(rng.uniform(0.7, 1.0, size=(B, S, K) + ((H,) if per_feature else ())))
   if reset:
     g[:, S // 2] = -1e4  # A clean reset: everything before it is forgotten.
-  beta = rng.uniform(0, 1, size=(B, S, K)).astype(np.float32)
+  # The whole range: β > 1 gives the transition a negative eigenvalue 1 - β along k.
+  beta = rng.uniform(0, 2, size=(B, S, K)).astype(np.float32)
   initial = rng.normal(size=(B, K, H, D)).astype(np.float32)
   return q, k, v, g.astype(np.float32), beta, initial
 
@@ -263,8 +264,8 @@ def test_bad_inputs_raise_value_errors_naming_them():
     la.gated_linear_attention(q, k, v, g[:, :5], is_causal=True)
   with pytest.raises(ValueError, match=r"log_decay \(decay\) must lie in \[-inf, 0.0\]"):
     la.gated_linear_attention(q, k, v, -g, is_causal=True)  # Positive: a growing state.
-  with pytest.raises(ValueError, match=r"beta \(write_strength\) must lie in \[0.0, 1.0\]"):
-    la.delta_rule_attention(q, k, v, beta + 1.0, is_causal=True)
+  with pytest.raises(ValueError, match=r"beta \(write_strength\) must lie in \[0.0, 2.0\]"):
+    la.delta_rule_attention(q, k, v, beta + 2.0, is_causal=True)
   with pytest.raises(ValueError, match="scale must be a static Python float"):
     jax.jit(lambda s: la.gated_linear_attention(q, k, v, g, is_causal=True, scale=s))(0.5)
   with pytest.raises(ValueError, match=r"beta must be .*\(2, 13, 2\)"):

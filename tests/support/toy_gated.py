@@ -7,7 +7,7 @@ the contract test, the layer (``tests/nn``) and context parallelism
 
     S_t = exp(g_t) S_{t-1} + β_t k_t v_tᵀ        o_t = scale · q_tᵀ S_t
 
-gated linear attention whose writes have a strength ``β_t ∈ [0, 1]`` (a decay
+gated linear attention whose writes have a strength ``β_t ∈ [0, 2]`` (a decay
 per head, g ≤ 0). Built from the core's pieces: a ``gated.MatrixFamily``
 with its own token and chunk bodies and oracle, on the one entry pipeline.
 """

@@ -40,6 +40,7 @@ from flax.nnx.nn import initializers
 from flax.typing import Dtype, Initializer, PrecisionLike, Shape
 
 from linattn_jax._src import checks
+from linattn_jax._src.delta_product import steps_in_order
 from linattn_jax._src.nn import cache as cache_lib
 from linattn_jax._src.nn.gates import (
     GLA_GATE_NORMALIZER,
@@ -315,6 +316,10 @@ class Recipe:
       (the norm alone).
     low_rank_gate: the output gate's projection goes through rank D (KDA).
     expand_v: the paper's default D / H.
+    householder: the paper's default n, delta-rule steps per token (Gated DeltaProduct's
+      n Householder factors; 1 for the others).
+    neg_eigval: the paper's default for ``β = 2 σ(x W_b)`` (β in [0, 2], transitions
+      with negative eigenvalues) rather than ``σ(x W_b)``.
 
   Examples:
     >>> recipe = nn.RecurrentMixer("kda", 32, 2, rngs=nnx.Rngs(0)).recipe
@@ -331,11 +336,17 @@ class Recipe:
   output_gate: str | None = "swish"
   low_rank_gate: bool = False
   expand_v: float = 1.0
+  householder: int = 1
+  neg_eigval: bool = False
 
 
 RECIPES: Mapping[str, Recipe] = {
     "gated_deltanet": Recipe("gated_delta_net", "GatedDeltaNet", decay="mamba2", beta=True,
                              unit_qk=True, expand_v=2.0),
+    # Gated DeltaNet over n steps per token (delta_product.py lays them out in order).
+    "gated_deltaproduct": Recipe("gated_delta_net", "GatedDeltaProduct", decay="mamba2",
+                                 beta=True, unit_qk=True, expand_v=2.0, householder=2,
+                                 neg_eigval=True),
     "kda": Recipe("kda", "KimiDeltaAttention", decay="kda", beta=True, unit_qk=True,
                   output_gate="sigmoid", low_rank_gate=True),
     "gla": Recipe("gla", "GatedLinearAttention", decay="gla", short_conv=False),
@@ -346,7 +357,7 @@ RECIPES: Mapping[str, Recipe] = {
 
 
 class RecurrentMixer(nnx.Module):
-  """The token mixer of Gated DeltaNet, KDA, GLA, simple GLA, RetNet or DeltaNet, by ``name``.
+  """The token mixer of a gated or delta-rule paper (Gated DeltaNet, KDA, ...), by ``name``.
 
   ``out = o_proj(GatedRMSNorm(recurrence(q, k, v, gates), g))`` with, from the input
   ``x [B, T, F]``: ``q = conv_q(x W_q)`` ``[B, T, N, H]``, ``k = conv_k(x W_k)``
@@ -356,34 +367,42 @@ class RecurrentMixer(nnx.Module):
   gates below, and the output gate ``g = x W_g`` per output head. ``name`` is one of
   the recipes below; each recipe names its recurrence and reference layer:
 
-  ============== ==================== ========================== =====================
-  name           recurrence           reference layer            decay
-  ============== ==================== ========================== =====================
-  gated_deltanet ``gated_delta_net``  GatedDeltaNet              Mamba2, per head
-  kda            ``kda``              KimiDeltaAttention         KDA, per key feature
-  gla            ``gla``              GatedLinearAttention       low-rank, per feature
-  simple_gla     ``simple_gla``       SimpleGatedLinearAttention log-sigmoid, per head
-  retnet         ``retention``        MultiScaleRetention        fixed per head
-  deltanet       ``delta_net``        DeltaNet                   none
-  ============== ==================== ========================== =====================
+  ================== ==================== ========================== =====================
+  name               recurrence           reference layer            decay
+  ================== ==================== ========================== =====================
+  gated_deltanet     ``gated_delta_net``  GatedDeltaNet              Mamba2, per head
+  gated_deltaproduct ``gated_delta_net``  GatedDeltaProduct          Mamba2, per head
+  kda                ``kda``              KimiDeltaAttention         KDA, per key feature
+  gla                ``gla``              GatedLinearAttention       low-rank, per feature
+  simple_gla         ``simple_gla``       SimpleGatedLinearAttention log-sigmoid, per head
+  retnet             ``retention``        MultiScaleRetention        fixed per head
+  deltanet           ``delta_net``        DeltaNet                   none
+  ================== ==================== ========================== =====================
+
+  Gated DeltaProduct writes n keys per token (``num_householder``, default 2): k, v and
+  β are projected n times over, and the token's decay, then its n delta-rule writes, then
+  its query run as n steps of Gated DeltaNet (:func:`~linattn_jax.delta_product_attention`
+  lays them out; the decode state is Gated DeltaNet's). Its β is ``2 σ(x W_b)`` by
+  default (``allow_neg_eigval``), as the reference layer's.
 
   The parameters, with their names and shapes in the reference layers
   (flash-linear-attention's ``fla.layers``; a PyTorch ``Linear``'s ``weight`` is our
   ``kernel`` transposed, a ``ShortConvolution``'s ``weight [C, 1, W]`` our
-  ``kernel [W, C]`` transposed). O = max(N, V) output heads:
+  ``kernel [W, C]`` transposed). O = max(N, V) output heads, n steps per token (1 but
+  for gated_deltaproduct):
 
   ======================== ============ =================================== =================
   ours                     shape        reference                           mixers
   ======================== ============ =================================== =================
   ``q_proj.kernel``        [F, N·H]     ``q_proj.weight``                   all
-  ``k_proj.kernel``        [F, K·H]     ``k_proj.weight``                   all
-  ``v_proj.kernel``        [F, V·D]     ``v_proj.weight``                   all
+  ``k_proj.kernel``        [F, n·K·H]   ``k_proj.weight``                   all
+  ``v_proj.kernel``        [F, n·V·D]   ``v_proj.weight``                   all
   ``q_conv.kernel``        [W, N·H]     ``q_conv1d.weight``                 with short_conv
-  ``k_conv.kernel``        [W, K·H]     ``k_conv1d.weight``                 with short_conv
-  ``v_conv.kernel``        [W, V·D]     ``v_conv1d.weight``                 with short_conv
-  ``a_proj.kernel``        [F, V]       ``a_proj.weight``                   gated_deltanet
-  ``A_log``                [V]          ``A_log``                           gated_deltanet, kda
-  ``dt_bias``              [V]          ``dt_bias``                         gated_deltanet
+  ``k_conv.kernel``        [W, n·K·H]   ``k_conv1d.weight``                 with short_conv
+  ``v_conv.kernel``        [W, n·V·D]   ``v_conv1d.weight``                 with short_conv
+  ``a_proj.kernel``        [F, V]       ``a_proj.weight``                   Mamba2 decays
+  ``A_log``                [V]          ``A_log``                           Mamba2 decays, kda
+  ``dt_bias``              [V]          ``dt_bias``                         Mamba2 decays
   ``dt_bias``              [V·H]        ``dt_bias``                         kda
   ``f_proj.down.kernel``   [F, D]       ``f_proj.0.weight``                 kda
   ``f_proj.up.kernel``     [D, V·H]     ``f_proj.1.weight``                 kda
@@ -392,7 +411,7 @@ class RecurrentMixer(nnx.Module):
   ``gk_proj.up.bias``      [V·H]        ``gk_proj.1.bias``                  gla
   ``gk_proj.kernel``       [F, V]       ``gk_proj.weight``                  simple_gla
   ``gk_proj.bias``         [V]          ``gk_proj.bias``                    simple_gla
-  ``b_proj.kernel``        [F, V]       ``b_proj.weight``                   delta rules
+  ``b_proj.kernel``        [F, n·V]     ``b_proj.weight``                   delta rules
   ``g_proj.kernel``        [F, O·D]     ``g_proj.weight``                   with output_gate
   ``g_proj.down.kernel``   [F, D]       ``g_proj.0.weight``                 kda
   ``g_proj.up.kernel``     [D, O·D]     ``g_proj.1.weight``                 kda
@@ -407,12 +426,13 @@ class RecurrentMixer(nnx.Module):
   ``[B, T, V, H]`` (KDA); ``log_sigmoid(x W_down W_up + b) / 16`` ``[B, T, V, H]``
   (GLA); ``log_sigmoid(x W + b) / 16`` ``[B, T, V]`` (simple GLA); RetNet's fixed
   decays ``log(1 - 2^(-5 - h))`` live in its recurrence. The write strength of the
-  delta rules is ``sigmoid(x W_b)`` ``[B, T, V]``. ``A_log`` starts at ``log U(1, 16)``
+  delta rules is ``sigmoid(x W_b)`` ``[B, T, V]`` (``2 sigmoid(x W_b)`` with
+  ``allow_neg_eigval``). ``A_log`` starts at ``log U(1, 16)``
   and ``dt_bias`` at the inverse softplus of a log-uniform dt in [0.001, 0.1].
 
   Not here: RetNet's rotary position embedding on q and k (positions are the
-  model's: add them before the mixer or pass rotated inputs), the references'
-  ``allow_neg_eigval`` and their GLA ``feature_map`` and ``clamp_min`` options.
+  model's: add them before the mixer or pass rotated inputs), and the reference GLA's
+  ``feature_map`` and ``clamp_min`` options.
 
   Args:
     name: a recipe (the table above).
@@ -427,6 +447,10 @@ class RecurrentMixer(nnx.Module):
     short_conv: short convolutions on q, k and v (default the paper's: off for gla and
       retnet).
     conv_size: their width W.
+    num_householder: n, delta-rule steps per token (default the recipe's: 2 for
+      gated_deltaproduct, else 1; more than 1 for the delta rules only).
+    allow_neg_eigval: ``β = 2 σ(x W_b)`` in [0, 2] (default the recipe's: on for
+      gated_deltaproduct; the delta rules only).
     output_gate: multiply the normed output by its gate (default the paper's: off for
       deltanet only; on, its activation is the recipe's, swish unless kda).
     norm_eps: the output norm's eps.
@@ -437,7 +461,8 @@ class RecurrentMixer(nnx.Module):
 
   Raises:
     ValueError: for an unknown ``name`` or recurrence option, head counts that do not
-      divide, a D that is not an integer, or inputs that are not ``[B, T, F]``.
+      divide, a D that is not an integer, ``num_householder`` or ``allow_neg_eigval``
+      for a mixer without the delta rule, or inputs that are not ``[B, T, F]``.
 
   Examples:
     >>> mixer = nn.RecurrentMixer("gated_deltanet", 32, num_heads=2, num_v_heads=4,
@@ -458,13 +483,16 @@ class RecurrentMixer(nnx.Module):
     Yang et al., "Gated Linear Attention Transformers with Hardware-Efficient
     Training", 2024. Sun et al., "Retentive Network", 2023. Yang et al.,
     "Parallelizing Linear Transformers with the Delta Rule over Sequence Length", 2024.
-    Qwen Team, Qwen3-Next, 2025 (grouped value heads).
+    Qwen Team, Qwen3-Next, 2025 (grouped value heads). Siems et al., "DeltaProduct:
+    Improving State-Tracking in Linear RNNs via Householder Products", 2025. Grazzi et
+    al., "Unlocking State-Tracking in Linear RNNs Through Negative Eigenvalues", 2025.
   """
 
   def __init__(self, name: str, hidden_size: int, num_heads: int, *,
                head_dim: int | None = None, num_kv_heads: int | None = None,
                num_v_heads: int | None = None, expand_v: float | None = None,
                short_conv: bool | None = None, conv_size: int = 4,
+               num_householder: int | None = None, allow_neg_eigval: bool | None = None,
                output_gate: bool | None = None, norm_eps: float = 1e-5,
                attention_options: Mapping[str, Any] | None = None,
                dtype: Dtype | None = None, param_dtype: Dtype = jnp.float32,
@@ -493,6 +521,13 @@ class RecurrentMixer(nnx.Module):
     if D < 1 or not math.isclose(D, H * expand_v):
       raise ValueError(f"{fn}: the value head dim head_dim·expand_v = {H}·{expand_v} must "
                        "be a positive integer.")
+    n = recipe.householder if num_householder is None else checks.check_positive_int(
+        num_householder, name="num_householder", fn=fn)
+    neg = recipe.neg_eigval if allow_neg_eigval is None else bool(allow_neg_eigval)
+    if (n > 1 or neg) and not recipe.beta:
+      raise ValueError(f"{fn}: num_householder={n} and allow_neg_eigval={neg} act on the "
+                       f"delta rule's writes; {name!r} has none.")
+    self.num_householder, self.allow_neg_eigval = n, neg
     self.num_heads, self.num_kv_heads, self.num_v_heads = N, K, V
     self.head_dim, self.value_dim = H, D
     O = max(N, V)  # Output heads: the queries' (GQA) or the values' (grouped values).
@@ -510,13 +545,13 @@ class RecurrentMixer(nnx.Module):
       return nnx.Linear(i, o, use_bias=use_bias, kernel_init=kernel_init, dtype=dtype,
                         param_dtype=param_dtype, precision=precision, rngs=rngs)
 
-    self.q_proj, self.k_proj = linear(F, N * H), linear(F, K * H)
-    self.v_proj = linear(F, V * D)
+    self.q_proj, self.k_proj = linear(F, N * H), linear(F, n * K * H)
+    self.v_proj = linear(F, n * V * D)
     conv = lambda c: ShortConvolution(c, conv_size, dtype=dtype,  # noqa: E731
                                       param_dtype=param_dtype, rngs=rngs)
     self.q_conv = conv(N * H) if self.short_conv else nnx.data(None)
-    self.k_conv = conv(K * H) if self.short_conv else nnx.data(None)
-    self.v_conv = conv(V * D) if self.short_conv else nnx.data(None)
+    self.k_conv = conv(n * K * H) if self.short_conv else nnx.data(None)
+    self.v_conv = conv(n * V * D) if self.short_conv else nnx.data(None)
     f32 = jnp.float32
     low_rank = lambda i, r, o, **kw: LowRank(  # noqa: E731
         i, r, o, down_init=kernel_init, up_init=kernel_init, dtype=f32,
@@ -536,7 +571,7 @@ class RecurrentMixer(nnx.Module):
     elif recipe.decay == "logsigmoid":
       self.gk_proj = linear(F, V, use_bias=True, dtype=f32)
     if recipe.beta:
-      self.b_proj = linear(F, V, dtype=f32)
+      self.b_proj = linear(F, n * V, dtype=f32)
     self.g_proj = nnx.data(None)
     if gate is not None:
       self.g_proj = (LowRank(F, D, O * D, down_init=kernel_init, up_init=kernel_init,
@@ -561,7 +596,8 @@ class RecurrentMixer(nnx.Module):
         conv.init_cache(input_shape, self.dtype or dtype)
 
   def gates(self, x: jax.Array) -> dict[str, jax.Array]:
-    """The recurrence's per-token inputs from ``x [B, T, F]``, by keyword, in float32."""
+    """The recurrence's per-token inputs from ``x [B, T, F]``, by keyword, in float32
+    (β ``[B, T, n, V]`` for n > 1 steps per token)."""
     recipe, V, H = self.recipe, self.num_v_heads, self.head_dim
     x = x.astype(jnp.float32)
     lead = x.shape[:-1]
@@ -581,7 +617,9 @@ class RecurrentMixer(nnx.Module):
     elif recipe.decay == "logsigmoid":
       out[self._decay_name] = jax.nn.log_sigmoid(self.gk_proj(x)) / GLA_GATE_NORMALIZER
     if recipe.beta:
-      out[self._beta_name] = jax.nn.sigmoid(self.b_proj(x))
+      beta = jax.nn.sigmoid(self.b_proj(x)) * (2.0 if self.allow_neg_eigval else 1.0)
+      n = self.num_householder
+      out[self._beta_name] = beta if n == 1 else beta.reshape(lead + (n, V))
     return out
 
   def __call__(self, x: jax.Array, *, decode: bool = False,
@@ -603,23 +641,32 @@ class RecurrentMixer(nnx.Module):
                  for conv, y in ((self.q_conv, q), (self.k_conv, k), (self.v_conv, v)))
     elif self.recipe.unit_qk:  # The delta rules' SiLU, without the convolution.
       q, k, v = jax.nn.silu(q), jax.nn.silu(k), jax.nn.silu(v)
+    n = self.num_householder
+    steps = () if n == 1 else (n,)  # Keys, values and β: [B, T, n, ·] for n steps.
     q = q.reshape(B, T, self.num_heads, self.head_dim)
-    k = k.reshape(B, T, self.num_kv_heads, self.head_dim)
-    v = v.reshape(B, T, self.num_v_heads, self.value_dim)
+    k = k.reshape((B, T) + steps + (self.num_kv_heads, self.head_dim))
+    v = v.reshape((B, T) + steps + (self.num_v_heads, self.value_dim))
     if self.recipe.unit_qk:
       q, k = l2_normalize(q), l2_normalize(k)
     gates = self.gates(x)
+    if n > 1:  # The n·T steps in order: the decay on each token's first, its query on its last.
+      beta, g = gates[self._beta_name], gates.get(self._decay_name)
+      q, k, v, beta, g, _, ids, _ = steps_in_order(q, k, v, beta, g, None, ids, fn=fn)
+      gates = {self._beta_name: beta} | ({} if g is None else {self._decay_name: g})
     if decode:
       if self.cache is None:
         raise ValueError(f"{fn}: decode=True needs a cache: call init_cache first.")
-      cache, o = cache_lib.state_decode(self._spec, self.cache.get_value(), q, k, v,
+      before = self.cache.get_value()
+      cache, o = cache_lib.state_decode(self._spec, before, q, k, v,
                                         options=self.attention_options, gates=gates,
                                         segment_ids=ids)
-      self.cache.set_value(cache)
+      self.cache.set_value(cache._replace(index=before.index + T))  # Tokens, not steps.
     else:
       packed = {} if ids is None else {"segment_ids": ids}
       o = self._spec.function(q, k, v, is_causal=True, **packed, **self.attention_options,
                               **gates)
+    if n > 1:
+      o = o.reshape((B, T, n) + o.shape[2:])[:, :, -1]  # Each token's last step.
     g = None
     if self.g_proj is not None:
       g = self.g_proj(x).reshape(o.shape)
@@ -873,7 +920,7 @@ def token_mixer_names() -> tuple[str, ...]:
   Takes no arrays.
 
   Examples:
-    >>> nn.token_mixer_names()
-    ('gated_deltanet', 'kda', 'gla', 'simple_gla', 'retnet', 'deltanet', 'rwkv7')
+    >>> print(*nn.token_mixer_names())
+    gated_deltanet gated_deltaproduct kda gla simple_gla retnet deltanet rwkv7
   """
   return MIXERS
