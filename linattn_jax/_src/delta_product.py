@@ -52,7 +52,9 @@ def steps_in_order(query, key, value, beta, log_decay, lengths, segment_ids, *, 
     log_decay = _first_step(jnp.asarray(log_decay), n, len(lead))
   flat = lambda x: x.reshape(lead + (S * n,) + x.shape[len(lead) + 2:])  # noqa: E731
   # Each token's query on its last step (zeros on the others, whose outputs are dropped).
-  queries = jnp.zeros(q.shape[:-3] + (T, n) + q.shape[-2:], q.dtype).at[..., n - 1, :, :].set(q)
+  at = q.ndim - 2  # The step axis, after T.
+  queries = jnp.concatenate([jnp.zeros(q.shape[:at] + (n - 1,) + q.shape[at:], q.dtype),
+                             jnp.expand_dims(q, at)], axis=at)
   queries = queries.reshape(q.shape[:-3] + (T * n,) + q.shape[-2:])
   if lengths is not None:
     lengths = jnp.asarray(lengths) * n

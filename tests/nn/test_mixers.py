@@ -327,6 +327,14 @@ def test_mixers_by_name_and_errors():
   assert len(nn.token_mixer_names()) == 8
   assert isinstance(nn.token_mixer("rwkv7", F, 4, rngs=nnx.Rngs(0)), nn.RWKV7TimeMixer)
   assert nn.token_mixer("kda", F, 4, rngs=nnx.Rngs(0)).recipe.attention == "kda"
+  # layer_index and num_layers reach RWKV-7's initial values and its value residual.
+  later = nn.token_mixer("rwkv7", F, 4, layer_index=2, num_layers=3, rngs=nnx.Rngs(0))
+  same = nn.RWKV7TimeMixer(F, head_dim=F // 4, layer_index=2, num_layers=3, rngs=nnx.Rngs(0))
+  assert later.v_lora is not None
+  x = jax.random.normal(jax.random.key(6), (B, T, F))
+  np.testing.assert_array_equal(later(x, x)[0], same(x, x)[0])
+  assert not np.allclose(_value(later, "x_r"), _value(nn.token_mixer("rwkv7", F, 4,
+                                                                     rngs=nnx.Rngs(0)), "x_r"))
   with pytest.raises(ValueError, match="unknown name='mamba'"):
     nn.token_mixer("mamba", F, 4, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match=r"num_v_heads=3 must be a multiple of num_kv_heads=2"):
