@@ -71,6 +71,17 @@ def pytest_addoption(parser):
       help="input seeds each parity test of the shared suite runs (default 1, the CI "
            "setting). A sweep, e.g. --seeds=20, shows that no tolerance holds by luck; the "
            "compiled programs are reused across seeds.")
+  parser.addoption(
+      "--full", action="store_true",
+      help="run the parity test's whole grid: every implementation's causal mode on every "
+           "shape. Default (the CI setting): each implementation's causal mode on one shape "
+           "and every variant on every shape (support/_helpers.py, `covering_grid`).")
+
+
+def pytest_configure(config):
+  # The parity test's grid is chosen at collection, when its module is imported.
+  import _helpers
+  _helpers.FULL_GRID = config.getoption("--full")
 
 
 @pytest.fixture(autouse=True)

@@ -38,6 +38,7 @@ import numpy as np
 import pytest
 from _helpers import (
   CONDITIONING_FACTOR,
+  FULL_GRID,
   SHAPES,
   TINY,
   Shape,
@@ -48,6 +49,7 @@ from _helpers import (
   assert_stress_output_matches_oracle,
   build,
   cotangent,
+  covering_grid,
   gradient_sensitivity,
   has_custom_vjp,
   kv_lengths,
@@ -111,16 +113,26 @@ PARITY_SHAPES = ((SHAPES[0], True), (SHAPES[1], False), (SHAPES[2], True))
 
 
 def _parity_params():
-  """Per shape: each variant's full mode once, with all its implementations, and each
-  implementation's causal mode on its own."""
+  """Per variant: each implementation's causal mode on its own, and its full mode once
+  with all its implementations; over :data:`PARITY_SHAPES` as
+  :func:`covering_grid` deals them (each slot on one shape and the variant on every
+  shape; ``--full``: every slot on every shape)."""
   params = []
-  for shape, padded in PARITY_SHAPES:
-    shape_id = f"{shape}-{'padded' if padded else 'dense'}"
-    for name, group in itertools.groupby(PARITY_CASES, key=lambda c: c.spec.name):
-      group = tuple(group)
-      params.append(pytest.param(group, False, shape, padded, id=f"{shape_id}-full-{name}"))
-      params += [pytest.param((case,), True, shape, padded, id=f"{shape_id}-causal-{case.id}")
-                 for case in group]
+  groups = itertools.groupby(PARITY_CASES, key=lambda c: c.spec.name)
+  for index, (name, group) in enumerate(groups):
+    group = tuple(group)
+    causal = [c for c in group if c.spec.supports(c.implementation, True)]
+    # Causal first: where a variant has fewer slots than shapes, the causal forms (its
+    # masks, carried states and chunk boundaries) take the shapes left over.
+    slots = [((c,), True, "causal", c.id) for c in causal] + [(group, False, "full", name)]
+    # An implementation without a causal mode only has its ValueError checked: one shape.
+    refused = [(((c,), True, "causal", c.id), PARITY_SHAPES[0])
+               for c in group if c not in causal]
+    for (cases, is_causal, mode, case_id), (shape, padded) in refused + covering_grid(
+        slots, PARITY_SHAPES, offset=index):
+      shape_id = f"{shape}-{'padded' if padded else 'dense'}"
+      params.append(pytest.param(cases, is_causal, shape, padded,
+                                 id=f"{shape_id}-{mode}-{case_id}"))
   return params
 
 
@@ -480,27 +492,43 @@ def test_jit_eager_vmap_and_unbatched_agree_without_retracing(case):
 LOW_PRECISION = (jnp.bfloat16, jnp.float16)
 
 
-@case_param
-def test_low_precision_round_trip(case, seeds):
+def _low_precision_params():
+  """Each implementation in one 16-bit dtype and each variant in both, dealt as
+  :func:`covering_grid` deals (``--full``, or a variant with one implementation: each
+  implementation in both, from one program)."""
+  params = []
+  for index, (_, group) in enumerate(itertools.groupby(CASES, key=lambda c: c.spec.name)):
+    group = list(group)
+    for i, case in enumerate(group):
+      dtypes = LOW_PRECISION
+      if len(group) >= len(LOW_PRECISION) and not FULL_GRID:
+        dtypes = (LOW_PRECISION[(i + index) % len(LOW_PRECISION)],)
+      name = "+".join(jnp.dtype(d).name for d in dtypes)
+      params.append(pytest.param(case, dtypes, id=f"{case.id}-{name}"))
+  return params
+
+
+@pytest.mark.parametrize("case, dtypes", _low_precision_params())
+def test_low_precision_round_trip(case, dtypes, seeds):
   """bfloat16 and float16 inputs: outputs and gradients keep the dtype, match the oracle
-  (near one-hot weights too) and stay finite. Both dtypes' output and gradients come from
-  one compiled program (one per dtype cost a trace and compile each)."""
+  (near one-hot weights too) and stay finite. Several dtypes' outputs and gradients come
+  from one compiled program (one per dtype cost a trace and compile each)."""
   spec, impl = case
   fast, _ = build(spec, impl)
   is_causal = _hardest_mode(spec, impl)
   shape = SHAPES[0]
   lengths = kv_lengths(shape)
   cts = [cotangent(jnp.zeros((shape.B, shape.T, shape.N, shape.D), dtype))
-         for dtype in LOW_PRECISION]
+         for dtype in dtypes]
 
   one_dtype = output_and_gradients_program(
       lambda q, k, v: _call(fast, q, k, v, is_causal, lengths)).__wrapped__
   output_and_gradients = jax.jit(lambda cts, qkvs: [one_dtype(ct, *qkv)
                                                      for ct, qkv in zip(cts, qkvs, strict=True)])
   for seed, amplitude in itertools.product(seeds, (1.0, 30.0)):  # 30: near one-hot weights.
-    qkvs = [make_qkv(shape, dtype, seed=seed, amplitude=amplitude) for dtype in LOW_PRECISION]
+    qkvs = [make_qkv(shape, dtype, seed=seed, amplitude=amplitude) for dtype in dtypes]
     results = output_and_gradients(cts, qkvs)
-    for dtype, ct, (q, k, v), (out, grads) in zip(LOW_PRECISION, cts, qkvs, results,
+    for dtype, ct, (q, k, v), (out, grads) in zip(dtypes, cts, qkvs, results,
                                                   strict=True):
       assert out.dtype == dtype
       msg = f"{jnp.dtype(dtype).name}, seed {seed}, amplitude {amplitude}:"

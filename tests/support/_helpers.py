@@ -146,6 +146,33 @@ def suite_options(spec) -> dict[str, Any]:
   return dict(SUITE_SETTINGS.get(spec.name, SuiteSettings()).options)
 
 
+# Set from ``--full`` (conftest.py) before the test modules are collected.
+FULL_GRID = False
+
+
+def covering_grid(slots: Sequence[Any], shapes: Sequence[Any], *, offset: int = 0,
+                  full: bool | None = None) -> list[tuple[Any, Any]]:
+  """``(slot, shape)`` pairs in which every slot and every shape appears.
+
+  With ``full`` (default: ``--full``) every pair, the product. Otherwise the slots and
+  the shapes are dealt out together, ``max(len(slots), len(shapes))`` pairs, the shapes
+  starting at ``offset`` (a variant's index, so that variants with one slot per
+  implementation do not always give the same implementation the same shape). This is
+  the parity test's default: each implementation of each variant on one shape, each
+  variant on every shape; ``--full`` runs the product (as JAX's own suite samples its
+  test grids and runs them whole on demand).
+
+  >>> covering_grid(["a", "b"], [1, 2, 3], full=False)
+  [('a', 1), ('b', 2), ('a', 3)]
+  >>> len(covering_grid(["a", "b"], [1, 2, 3], full=True))
+  6
+  """
+  if FULL_GRID if full is None else full:
+    return list(itertools.product(slots, shapes))
+  count = max(len(slots), len(shapes))
+  return [(slots[i % len(slots)], shapes[(i + offset) % len(shapes)]) for i in range(count)]
+
+
 def layer_paths(names: Sequence[str]) -> list[str]:
   """The first of ``names`` for each path a layer takes to a variant: its decode cache, a
   pattern (and whether a decoded row gathers its keys) or not, exact softmax or not, arrays
