@@ -33,7 +33,7 @@ from jax import lax
 from jax.typing import ArrayLike
 
 from linattn_jax._src import recurrence
-from linattn_jax._src.decays import pair_weights, suffix_sums
+from linattn_jax._src.decays import pair_weights, segment_sums, suffix_sums
 from linattn_jax._src.gated import (
     GatedState,
     MatrixFamily,
@@ -139,18 +139,37 @@ def _delta_writes(S, chunk: recurrence.Chunk, kk: jax.Array | None = None):
 
 
 def _delta_chunk(config, S, chunk: recurrence.Chunk):
-  """C queries against the state and the chunk's writes: ``(S_C, out [B, K, G, C, D])``."""
-  del config
-  q = chunk.fq
+  """C queries against the state and the chunk's writes: ``(S_C, out [B, K, G, C, D])``.
+
+  With a query stride n (``config.query_stride``; DeltaProduct, whose token reads after
+  its last step) and a decay per head, only the rows ``n - 1, 2n - 1, ...`` are read
+  (C a multiple of n); the others are 0.
+  """
+  stride = config.query_stride
+  q = chunk.fq  # [B, K, G, C, H]
   g = chunk.gates[0][:, :, None]  # [B, K, 1, C, H|1]
   k = chunk.fk[:, :, None]  # [B, K, 1, C, H]
-  # The keys' and the queries' pair weights against the keys in one call: their decays
-  # (with one per key feature, most of the work) are formed once.
-  weights = pair_weights(jnp.concatenate([k, q], axis=2), k, g)  # [B, K, 1 + G, C, C]
-  u, prefix, S_end = _delta_writes(S, chunk, kk=weights[:, :, 0])
-  a = weights[:, :, 1:]  # [B, K, G, C, C]
+  C = q.shape[3]
+  if stride > 1 and C % stride == 0 and g.shape[-1] == 1:
+    rows = slice(stride - 1, None, stride)
+    decay = jnp.exp(segment_sums(g[..., 0], -1))  # [B, K, 1, C(i), C(j)]: 0 where j > i.
+    kk = jnp.einsum("bkih,bkjh->bkij", chunk.fk, chunk.fk) * decay[:, :, 0]
+    q = q[:, :, :, rows]
+    a = jnp.einsum("bkgih,bkjh->bkgij", q, chunk.fk) * decay[:, :, :, rows]
+    u, prefix, S_end = _delta_writes(S, chunk, kk=kk)
+    prefix = prefix[:, :, rows]
+  else:
+    # The keys' and the queries' pair weights against the keys in one call: their decays
+    # (with one per key feature, most of the work) are formed once.
+    weights = pair_weights(jnp.concatenate([k, q], axis=2), k, g)  # [B, K, 1 + G, C, C]
+    u, prefix, S_end = _delta_writes(S, chunk, kk=weights[:, :, 0])
+    a = weights[:, :, 1:]  # [B, K, G, C, C]
   out = (jnp.einsum("bkgij,bkjd->bkgid", a, u)
          + jnp.einsum("bkgih,bkhd->bkgid", q * jnp.exp(prefix)[:, :, None], S))
+  if out.shape[3] != C:  # The rows read, each after stride - 1 zero rows.
+    skipped = jnp.zeros_like(out, shape=out.shape[:4] + (stride - 1, out.shape[-1]))
+    out = jnp.concatenate([skipped, out[..., None, :]], axis=-2)
+    out = out.reshape(out.shape[:3] + (C, out.shape[-1]))
   return S_end, out
 
 
@@ -183,6 +202,9 @@ class DeltaFamily(MatrixFamily):
 
   implementations: ClassVar[tuple[str, ...]] = DELTA_IMPLEMENTATIONS
   bodies: ClassVar[Mapping[str, recurrence.Body]] = _DELTA_BODIES
+  # Queries only at positions ≡ -1 mod this (the others are zeros whose outputs are
+  # dropped: DeltaProduct's steps); the chunked form then skips the other rows.
+  query_stride: int = 1
   summary_cls: ClassVar[type] = DeltaSummary
   input_names: ClassVar[tuple[str, ...]] = ("beta", "log_decay")
   static_return_state: ClassVar[bool] = True
@@ -310,9 +332,11 @@ def delta_rule_attention(
                         chunk_size=chunk_size, fn="delta_rule_attention")
 
 
-def run_delta_rule(query, key, value, beta, *, log_decay=None, fn: str, **options):
-  """:func:`delta_rule_attention` with any option, its errors under the name ``fn``."""
-  return matrix_attention(DeltaFamily(), query, key, value,
+def run_delta_rule(query, key, value, beta, *, log_decay=None, query_stride: int = 1, fn: str,
+                   **options):
+  """:func:`delta_rule_attention` with any option, its errors under the name ``fn``;
+  ``query_stride``: as :attr:`DeltaFamily.query_stride`."""
+  return matrix_attention(DeltaFamily(query_stride=query_stride), query, key, value,
                           inputs={"beta": beta, "log_decay": log_decay}, fn=fn, **options)
 
 

@@ -77,7 +77,7 @@ def _delta_product(query, key, value, beta, *, log_decay, key_value_seq_lengths,
   checks.check_static_bool(options["is_causal"], name="is_causal", fn=fn)  # Its error first.
   query, key, value, beta, log_decay, lengths, segment_ids, n = steps_in_order(
       query, key, value, beta, log_decay, key_value_seq_lengths, segment_ids, fn=fn)
-  result = run_delta_rule(query, key, value, beta, log_decay=log_decay,
+  result = run_delta_rule(query, key, value, beta, log_decay=log_decay, query_stride=n,
                           key_value_seq_lengths=lengths, segment_ids=segment_ids, fn=fn,
                           **options)
   out, state = result if options.get("return_state") else (result, None)
@@ -125,7 +125,9 @@ def delta_product_attention(
     return_state: also return the final state (for a summary ``initial_state``, that
       summary followed by these tokens).
     implementation: as :func:`delta_rule_attention`'s (default ``"chunked"``).
-    chunk_size: steps (not tokens) per chunk, as :func:`delta_rule_attention`'s.
+    chunk_size: steps (not tokens) per chunk, as :func:`delta_rule_attention`'s. With a
+      decay per token and a multiple of n (the defaults, powers of two, for n = 2, 4, ...) the
+      chunked form forms only the rows of each token's last step, where its query reads.
 
   Returns:
     ``[B, T, N, D]`` in the input dtype; with ``return_state`` the pair ``(out, state)``.

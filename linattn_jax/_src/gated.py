@@ -325,7 +325,7 @@ class MatrixFamily(recurrence.Family):
     if options.implementation == "reference":
       return self.reference(carry, chunk)
     bodies = recurrence.Bodies(self.bodies[options.implementation], self.absorb, None)
-    return recurrence.run_chunks(bodies, None, carry, chunk, is_causal=True,
+    return recurrence.run_chunks(bodies, self, carry, chunk, is_causal=True,
                                  chunk_size=options.chunk_size)
 
   def finish(self, out, carry, state, chunk, options):

@@ -58,14 +58,16 @@ def inputs(*, T=11, S=11, n=2, seed=0):
   return tuple(x.astype(np.float32) for x in (q, k, v, beta, g, initial))
 
 
-@pytest.mark.parametrize("T, S, n", [(11, 11, 2), (5, 11, 3)], ids=["n2", "prefix-n3"])
-def test_every_implementation_equals_the_token_recurrence(T, S, n):
+# Chunks of a multiple of n read only each token's last step; chunks of 5 read every row.
+@pytest.mark.parametrize("T, S, n, chunk_size", [(11, 11, 2, 4), (5, 11, 3, 6), (11, 11, 2, 5)],
+                         ids=["n2", "prefix-n3", "n2-every-row"])
+def test_every_implementation_equals_the_token_recurrence(T, S, n, chunk_size):
   q, k, v, beta, g, initial = inputs(T=T, S=S, n=n)
   g[:, S // 2] = -1e4  # A hard reset inside the chunks.
   lengths = np.array([S, S - 3])
   want, want_state = recurrence(q, k, v, beta, g, initial=initial, lengths=lengths)
   for implementation in ("reference", "scan", "chunked"):
-    out, state = delta_product_attention(q, k, v, beta, log_decay=g, chunk_size=5,
+    out, state = delta_product_attention(q, k, v, beta, log_decay=g, chunk_size=chunk_size,
                                             implementation=implementation,
                                             initial_state=la.GatedState(initial),
                                             key_value_seq_lengths=lengths, return_state=True)
