@@ -52,6 +52,17 @@ def _unit(x):
   return x / jnp.sqrt(jnp.sum(x * x, -1, keepdims=True) + 1e-6)
 
 
+def _rope(x):
+  """RoPE at positions 0..T-1 with complex numbers: feature pair (i, i + H/2) is the complex
+  number x_i + i·x_{i+H/2}, multiplied by e^{i p θ_i}, θ_i = 10000^(-2i/H)."""
+  H = x.shape[-1]
+  z = jax.lax.complex(x[..., :H // 2], x[..., H // 2:])
+  theta = 10000.0 ** (-jnp.arange(H // 2, dtype=jnp.float32) * 2.0 / H)
+  p = jnp.arange(x.shape[1], dtype=jnp.float32).reshape((1, -1) + (1,) * (x.ndim - 2))
+  z = z * jnp.exp(jax.lax.complex(jnp.zeros_like(p * theta), p * theta))  # e^{i p θ}
+  return jnp.concatenate([z.real, z.imag], -1).astype(x.dtype)
+
+
 def _reference_recurrent(m: nn.RecurrentMixer, x: jax.Array) -> jax.Array:
   """The reference layer's forward (flash-linear-attention's layers), in float32."""
   r = m.recipe
@@ -70,6 +81,8 @@ def _reference_recurrent(m: nn.RecurrentMixer, x: jax.Array) -> jax.Array:
              v.reshape((B, -1) + steps + (V, D)))
   if r.unit_qk:
     q, k = _unit(q), _unit(k)
+  if m.rotary:
+    q, k = _rope(q), _rope(k)
   if r.decay == "mamba2":
     g = -jnp.exp(p("A_log")) * jax.nn.softplus(x @ p("a_proj.kernel") + p("dt_bias"))
   elif r.decay == "kda":
@@ -140,8 +153,9 @@ CONFIGS = {
     "kda": ("kda", dict(num_heads=2, num_v_heads=4, head_dim=8)),
     "gla": ("gla", dict(num_heads=4, num_kv_heads=2, short_conv=True, conv_size=3,
                         expand_v=2.0)),
+    # RetNet's rotary embedding on another mixer.
     "simple_gla": ("simple_gla", dict(num_heads=2, output_gate=False, norm_eps=1e-2,
-                                      kernel_init=_NORMAL)),
+                                      kernel_init=_NORMAL, rotary=True)),
     # bfloat16 parameters, float32 computation (the tests promote no dtype implicitly).
     "retnet": ("retnet", dict(num_heads=2, attention_options={"implementation": "scan"},
                               param_dtype=jnp.bfloat16, dtype=jnp.float32,

@@ -82,6 +82,53 @@ def _check_inputs(x: jax.Array, features: int, segment_ids: Any, *, fn: str) -> 
   return ids.astype(jnp.int32)
 
 
+# RoPE's base (Su et al.): the frequency of feature pair i is ROPE_BASE^(-2i / H).
+ROPE_BASE = 10000.0
+
+
+def rotary(x: jax.Array, positions: jax.Array, *, base: float = ROPE_BASE) -> jax.Array:
+  """The rotary position embedding of ``x [B, T, ..., H]`` at ``positions [B, T]``.
+
+  Each pair of features ``(x_i, x_{i + H/2})`` (halves, not interleaved) turns by the
+  angle ``p θ_i`` with ``θ_i = base^(-2i / H)``, in float32::
+
+      (x_i, x_{i+H/2}) ↦ (x_i cos pθ_i - x_{i+H/2} sin pθ_i, x_{i+H/2} cos pθ_i + x_i sin pθ_i)
+
+  so that ``rotary(q, p)ᵀ rotary(k, s)`` depends on p - s only. H must be even.
+
+  References:
+    Su et al., "RoFormer: Enhanced Transformer with Rotary Position Embedding", 2021.
+  """
+  half = x.shape[-1] // 2
+  theta = base ** (-2.0 * jnp.arange(half, dtype=jnp.float32) / x.shape[-1])
+  angle = positions.astype(jnp.float32)[..., None] * theta[None, None]  # [B, T, H/2]
+  angle = angle.reshape(angle.shape[:2] + (1,) * (x.ndim - 3) + (half,))
+  cos, sin = jnp.cos(angle), jnp.sin(angle)
+  x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
+
+
+def segment_positions(segment_ids: jax.Array | None, shape: tuple[int, int], *,
+                      last_id: jax.Array | None = None,
+                      offset: jax.Array | None = None) -> jax.Array:
+  """Each token's position in its document, ``[B, T]`` int32 for ``shape = (B, T)``.
+
+  Positions count from 0 where a document starts (where ``segment_ids`` changes).
+  Decoding: ``last_id [B]`` is the last decoded token's id and ``offset [B]`` the next
+  position in its document; the tokens that continue it count on from ``offset``
+  (without ids, every token does).
+  """
+  B, T = shape
+  t = jnp.arange(T, dtype=jnp.int32)
+  offset = jnp.zeros((B,), jnp.int32) if offset is None else offset.astype(jnp.int32)
+  if segment_ids is None:
+    return offset[:, None] + t[None]
+  before = segment_ids[:, :1] if last_id is None else last_id[:, None]
+  starts = segment_ids != jnp.concatenate([before, segment_ids[:, :-1]], axis=1)
+  start = jax.lax.cummax(jnp.where(starts, t[None], -1), axis=1)  # -1: no start yet.
+  return jnp.where(start < 0, offset[:, None] + t[None], t[None] - start)
+
+
 class _CausalWindow(nnx.Module):
   """The last ``width`` inputs of each position within its document, and their decode cache.
 
@@ -320,6 +367,8 @@ class Recipe:
       n Householder factors; 1 for the others).
     neg_eigval: the paper's default for ``β = 2 σ(x W_b)`` (β in [0, 2], transitions
       with negative eigenvalues) rather than ``σ(x W_b)``.
+    rotary: the paper's default for the rotary position embedding of q and k
+      (:func:`rotary`, at each token's position in its document: RetNet's).
 
   Examples:
     >>> recipe = nn.RecurrentMixer("kda", 32, 2, rngs=nnx.Rngs(0)).recipe
@@ -338,6 +387,7 @@ class Recipe:
   expand_v: float = 1.0
   householder: int = 1
   neg_eigval: bool = False
+  rotary: bool = False
 
 
 RECIPES: Mapping[str, Recipe] = {
@@ -351,7 +401,8 @@ RECIPES: Mapping[str, Recipe] = {
                   output_gate="sigmoid", low_rank_gate=True),
     "gla": Recipe("gla", "GatedLinearAttention", decay="gla", short_conv=False),
     "simple_gla": Recipe("simple_gla", "SimpleGatedLinearAttention", decay="logsigmoid"),
-    "retnet": Recipe("retention", "MultiScaleRetention", short_conv=False, expand_v=2.0),
+    "retnet": Recipe("retention", "MultiScaleRetention", short_conv=False, expand_v=2.0,
+                     rotary=True),
     "deltanet": Recipe("delta_net", "DeltaNet", beta=True, unit_qk=True, output_gate=None),
 }
 
@@ -430,9 +481,12 @@ class RecurrentMixer(nnx.Module):
   ``allow_neg_eigval``). ``A_log`` starts at ``log U(1, 16)``
   and ``dt_bias`` at the inverse softplus of a log-uniform dt in [0.001, 0.1].
 
-  Not here: RetNet's rotary position embedding on q and k (positions are the
-  model's: add them before the mixer or pass rotated inputs), and the reference GLA's
-  ``feature_map`` and ``clamp_min`` options.
+  RetNet turns q and k by their positions (``rotary``: :func:`rotary`, base 10,000,
+  halves layout, as the reference layer's ``RotaryEmbedding``); a position counts from
+  its document's start, and from the cache's position when decoding.
+
+  Not here: the reference GLA's ``feature_map`` and ``clamp_min`` options (off in its
+  default configuration).
 
   Args:
     name: a recipe (the table above).
@@ -451,6 +505,8 @@ class RecurrentMixer(nnx.Module):
       gated_deltaproduct, else 1; more than 1 for the delta rules only).
     allow_neg_eigval: ``β = 2 σ(x W_b)`` in [0, 2] (default the recipe's: on for
       gated_deltaproduct; the delta rules only).
+    rotary: the rotary position embedding of q and k (default the recipe's: on for
+      retnet; H must be even).
     output_gate: multiply the normed output by its gate (default the paper's: off for
       deltanet only; on, its activation is the recipe's, swish unless kda).
     norm_eps: the output norm's eps.
@@ -462,7 +518,8 @@ class RecurrentMixer(nnx.Module):
   Raises:
     ValueError: for an unknown ``name`` or recurrence option, head counts that do not
       divide, a D that is not an integer, ``num_householder`` or ``allow_neg_eigval``
-      for a mixer without the delta rule, or inputs that are not ``[B, T, F]``.
+      for a mixer without the delta rule, ``rotary`` with an odd H, or inputs that are
+      not ``[B, T, F]``.
 
   Examples:
     >>> mixer = nn.RecurrentMixer("gated_deltanet", 32, num_heads=2, num_v_heads=4,
@@ -493,7 +550,8 @@ class RecurrentMixer(nnx.Module):
                num_v_heads: int | None = None, expand_v: float | None = None,
                short_conv: bool | None = None, conv_size: int = 4,
                num_householder: int | None = None, allow_neg_eigval: bool | None = None,
-               output_gate: bool | None = None, norm_eps: float = 1e-5,
+               rotary: bool | None = None, output_gate: bool | None = None,
+               norm_eps: float = 1e-5,
                attention_options: Mapping[str, Any] | None = None,
                dtype: Dtype | None = None, param_dtype: Dtype = jnp.float32,
                precision: PrecisionLike = None,
@@ -528,6 +586,9 @@ class RecurrentMixer(nnx.Module):
       raise ValueError(f"{fn}: num_householder={n} and allow_neg_eigval={neg} act on the "
                        f"delta rule's writes; {name!r} has none.")
     self.num_householder, self.allow_neg_eigval = n, neg
+    self.rotary = recipe.rotary if rotary is None else bool(rotary)
+    if self.rotary and H % 2:
+      raise ValueError(f"{fn}: rotary turns pairs of features; head_dim={H} is odd.")
     self.num_heads, self.num_kv_heads, self.num_v_heads = N, K, V
     self.head_dim, self.value_dim = H, D
     O = max(N, V)  # Output heads: the queries' (GQA) or the values' (grouped values).
@@ -581,7 +642,7 @@ class RecurrentMixer(nnx.Module):
     self.o_norm = GatedRMSNorm(D, epsilon=norm_eps, activation=gate, dtype=dtype,
                                param_dtype=param_dtype, rngs=rngs)
     self.o_proj = linear(O * D, F)
-    self.cache = nnx.data(None)
+    self.cache = self.position = nnx.data(None)
 
   def init_cache(self, input_shape: Shape, dtype: Dtype = jnp.float32) -> None:
     """An empty decode cache for inputs ``(B, C, F)``: the recurrence's float32 state
@@ -594,6 +655,8 @@ class RecurrentMixer(nnx.Module):
     for conv in (self.q_conv, self.k_conv, self.v_conv):
       if conv is not None:
         conv.init_cache(input_shape, self.dtype or dtype)
+    if self.rotary:  # The next position in each row's document.
+      self.position = nnx.Cache(jnp.zeros((B,), jnp.int32))
 
   def gates(self, x: jax.Array) -> dict[str, jax.Array]:
     """The recurrence's per-token inputs from ``x [B, T, F]``, by keyword, in float32
@@ -635,6 +698,8 @@ class RecurrentMixer(nnx.Module):
     fn = "RecurrentMixer"
     ids = _check_inputs(x, self.hidden_size, segment_ids, fn=fn)
     B, T, _ = x.shape
+    if decode and self.cache is None:
+      raise ValueError(f"{fn}: decode=True needs a cache: call init_cache first.")
     q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
     if self.short_conv:
       q, k, v = (conv(y, decode=decode, segment_ids=ids)
@@ -648,14 +713,20 @@ class RecurrentMixer(nnx.Module):
     v = v.reshape((B, T) + steps + (self.num_v_heads, self.value_dim))
     if self.recipe.unit_qk:
       q, k = l2_normalize(q), l2_normalize(k)
+    if self.rotary:
+      if decode:
+        positions = segment_positions(ids, (B, T), last_id=self.cache.get_value().segment_id,
+                                      offset=self.position.get_value())
+        self.position.set_value(positions[:, -1] + 1)
+      else:
+        positions = segment_positions(ids, (B, T))
+      q, k = rotary(q, positions), rotary(k, positions)
     gates = self.gates(x)
     if n > 1:  # The n·T steps in order: the decay on each token's first, its query on its last.
       beta, g = gates[self._beta_name], gates.get(self._decay_name)
       q, k, v, beta, g, _, ids, _ = steps_in_order(q, k, v, beta, g, None, ids, fn=fn)
       gates = {self._beta_name: beta} | ({} if g is None else {self._decay_name: g})
     if decode:
-      if self.cache is None:
-        raise ValueError(f"{fn}: decode=True needs a cache: call init_cache first.")
       before = self.cache.get_value()
       cache, o = cache_lib.state_decode(self._spec, before, q, k, v,
                                         options=self.attention_options, gates=gates,
