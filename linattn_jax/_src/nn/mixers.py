@@ -40,7 +40,7 @@ from flax.nnx.nn import initializers
 from flax.typing import Dtype, Initializer, PrecisionLike, Shape
 
 from linattn_jax._src import checks
-from linattn_jax._src.delta_product import steps_in_order
+from linattn_jax._src.delta_product import delta_product_attention, steps_in_order
 from linattn_jax._src.nn import cache as cache_lib
 from linattn_jax._src.nn.gates import (
     GLA_GATE_NORMALIZER,
@@ -432,9 +432,10 @@ class RecurrentMixer(nnx.Module):
 
   Gated DeltaProduct writes n keys per token (``num_householder``, default 2): k, v and
   β are projected n times over, and the token's decay, then its n delta-rule writes, then
-  its query run as n steps of Gated DeltaNet (:func:`~linattn_jax.delta_product_attention`
-  lays them out; the decode state is Gated DeltaNet's). Its β is ``2 σ(x W_b)`` by
-  default (``allow_neg_eigval``), as the reference layer's.
+  its query run as :func:`~linattn_jax.delta_product_attention` (decoding: as n steps of
+  Gated DeltaNet, laid out as that function lays them; the decode state is Gated
+  DeltaNet's). Its β is ``2 σ(x W_b)`` by default (``allow_neg_eigval``), as the
+  reference layer's.
 
   The parameters, with their names and shapes in the reference layers
   (flash-linear-attention's ``fla.layers``; a PyTorch ``Linear``'s ``weight`` is our
@@ -722,22 +723,28 @@ class RecurrentMixer(nnx.Module):
         positions = segment_positions(ids, (B, T))
       q, k = rotary(q, positions), rotary(k, positions)
     gates = self.gates(x)
-    if n > 1:  # The n·T steps in order: the decay on each token's first, its query on its last.
-      beta, g = gates[self._beta_name], gates.get(self._decay_name)
-      q, k, v, beta, g, _, ids, _ = steps_in_order(q, k, v, beta, g, None, ids, fn=fn)
-      gates = {self._beta_name: beta} | ({} if g is None else {self._decay_name: g})
-    if decode:
-      before = self.cache.get_value()
-      cache, o = cache_lib.state_decode(self._spec, before, q, k, v,
-                                        options=self.attention_options, gates=gates,
-                                        segment_ids=ids)
-      self.cache.set_value(cache._replace(index=before.index + T))  # Tokens, not steps.
+    packed = {} if ids is None else {"segment_ids": ids}
+    if n > 1 and not decode:  # DeltaProduct's chunked form reads each token's last step only.
+      o = delta_product_attention(q, k, v, gates[self._beta_name],
+                                  log_decay=gates.get(self._decay_name), is_causal=True,
+                                  **packed, **self.attention_options)
     else:
-      packed = {} if ids is None else {"segment_ids": ids}
-      o = self._spec.function(q, k, v, is_causal=True, **packed, **self.attention_options,
-                              **gates)
-    if n > 1:
-      o = o.reshape((B, T, n) + o.shape[2:])[:, :, -1]  # Each token's last step.
+      if n > 1:  # The n·T steps in order: each token's decay on its first, query on its last.
+        beta, g = gates[self._beta_name], gates.get(self._decay_name)
+        q, k, v, beta, g, _, ids, _ = steps_in_order(q, k, v, beta, g, None, ids, fn=fn)
+        gates = {self._beta_name: beta} | ({} if g is None else {self._decay_name: g})
+        packed = {} if ids is None else {"segment_ids": ids}
+      if decode:
+        before = self.cache.get_value()
+        cache, o = cache_lib.state_decode(self._spec, before, q, k, v,
+                                          options=self.attention_options, gates=gates,
+                                          segment_ids=ids)
+        self.cache.set_value(cache._replace(index=before.index + T))  # Tokens, not steps.
+      else:
+        o = self._spec.function(q, k, v, is_causal=True, **packed, **self.attention_options,
+                                **gates)
+      if n > 1:
+        o = o.reshape((B, T, n) + o.shape[2:])[:, :, -1]  # Each token's last step.
     g = None
     if self.g_proj is not None:
       g = self.g_proj(x).reshape(o.shape)
