@@ -126,8 +126,9 @@ def delta_product_attention(
       summary followed by these tokens).
     implementation: as :func:`delta_rule_attention`'s (default ``"chunked"``).
     chunk_size: steps (not tokens) per chunk, as :func:`delta_rule_attention`'s. With a
-      decay per token and a multiple of n (the defaults, powers of two, for n = 2, 4, ...) the
-      chunked form forms only the rows of each token's last step, where its query reads.
+      multiple of n (the defaults, powers of two, for n = 2, 4, ...) and a decay per head
+      or none, the chunked form forms only the rows of each token's last step, where its
+      query reads.
 
   Returns:
     ``[B, T, N, D]`` in the input dtype; with ``return_state`` the pair ``(out, state)``.

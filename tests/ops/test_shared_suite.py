@@ -114,22 +114,27 @@ PARITY_SHAPES = ((SHAPES[0], True), (SHAPES[1], False), (SHAPES[2], True))
 
 def _parity_params():
   """Per variant: each implementation's causal mode on its own, and its full mode once
-  with all its implementations; over :data:`PARITY_SHAPES` as
-  :func:`covering_grid` deals them (each slot on one shape and the variant on every
-  shape; ``--full``: every slot on every shape)."""
+  with all its implementations; these slots are dealt over :data:`PARITY_SHAPES` by
+  :func:`covering_grid`: each slot on one shape at least, the variant on every shape
+  (``--full``: every slot on every shape). A mode the variant or an implementation
+  refuses only has its ValueError checked, on one shape, and takes no shape from the
+  others."""
   params = []
   groups = itertools.groupby(PARITY_CASES, key=lambda c: c.spec.name)
   for index, (name, group) in enumerate(groups):
     group = tuple(group)
-    causal = [c for c in group if c.spec.supports(c.implementation, True)]
-    # Causal first: where a variant has fewer slots than shapes, the causal forms (its
-    # masks, carried states and chunk boundaries) take the shapes left over.
-    slots = [((c,), True, "causal", c.id) for c in causal] + [(group, False, "full", name)]
-    # An implementation without a causal mode only has its ValueError checked: one shape.
-    refused = [(((c,), True, "causal", c.id), PARITY_SHAPES[0])
-               for c in group if c not in causal]
-    for (cases, is_causal, mode, case_id), (shape, padded) in refused + covering_grid(
-        slots, PARITY_SHAPES, offset=index):
+    causal = [((c,), True, "causal", c.id) for c in group
+              if c.spec.supports(c.implementation, True)]
+    refused = [((c,), True, "causal", c.id) for c in group
+               if not c.spec.supports(c.implementation, True)]
+    full = [(group, False, "full", name)]
+    if not group[0].spec.supports_noncausal:
+      refused, full = refused + full, []
+    # Causal first: where a variant has fewer slots than shapes, the causal forms (masks,
+    # carried states, chunk boundaries) take the shapes left over.
+    dealt = [(slot, PARITY_SHAPES[0]) for slot in refused]
+    dealt += covering_grid(causal + full, PARITY_SHAPES, offset=index)
+    for (cases, is_causal, mode, case_id), (shape, padded) in dealt:
       shape_id = f"{shape}-{'padded' if padded else 'dense'}"
       params.append(pytest.param(cases, is_causal, shape, padded,
                                  id=f"{shape_id}-{mode}-{case_id}"))
@@ -140,7 +145,8 @@ def _parity_params():
 def test_output_and_gradients_match_reference(cases, is_causal, shape, padded, seeds):
   """One compiled program gives the output and the gradients of ``Σ ct·out``; in
   the causal mode the same program, with every key visible, judges causality
-  (:func:`assert_causal`) on T = S, T < S and T > S.
+  (:func:`assert_causal`) on its shape (T = S, T < S or T > S; each one on all three
+  with ``--full``).
 
   In the full mode a variant's implementations often trace to one program (the
   recurrent forms differ only when causal): an implementation whose jaxpr and
@@ -493,16 +499,22 @@ LOW_PRECISION = (jnp.bfloat16, jnp.float16)
 
 
 def _low_precision_params():
-  """Each implementation in one 16-bit dtype and each variant in both, dealt as
-  :func:`covering_grid` deals (``--full``, or a variant with one implementation: each
-  implementation in both, from one program)."""
+  """Each fast implementation in one 16-bit dtype and each variant's fast implementations
+  in both, dealt as :func:`covering_grid` deals (a variant with one fast implementation:
+  both dtypes, from one program); the oracle in one (``--full``: every implementation in
+  both)."""
   params = []
   for index, (_, group) in enumerate(itertools.groupby(CASES, key=lambda c: c.spec.name)):
     group = list(group)
-    for i, case in enumerate(group):
+    fast = [c for c in group if c.implementation != "reference"]
+    for case in group:
       dtypes = LOW_PRECISION
-      if len(group) >= len(LOW_PRECISION) and not FULL_GRID:
-        dtypes = (LOW_PRECISION[(i + index) % len(LOW_PRECISION)],)
+      if FULL_GRID:
+        pass
+      elif case not in fast:
+        dtypes = (LOW_PRECISION[index % len(LOW_PRECISION)],)
+      elif len(fast) >= len(LOW_PRECISION):
+        dtypes = (LOW_PRECISION[(fast.index(case) + index) % len(LOW_PRECISION)],)
       name = "+".join(jnp.dtype(d).name for d in dtypes)
       params.append(pytest.param(case, dtypes, id=f"{case.id}-{name}"))
   return params

@@ -647,7 +647,8 @@ class RecurrentMixer(nnx.Module):
 
   def init_cache(self, input_shape: Shape, dtype: Dtype = jnp.float32) -> None:
     """An empty decode cache for inputs ``(B, C, F)``: the recurrence's float32 state
-    ``[B, V, H, D]`` and the convolutions' last inputs in ``dtype`` (C is not needed)."""
+    ``[B, V, H, D]``, the convolutions' last inputs in ``dtype`` and, with ``rotary``,
+    each row's next position in its document (``position [B]`` int32; C is not needed)."""
     B = input_shape[0]
     self.cache = nnx.Cache(cache_lib.empty(
         self._spec, batch=B, capacity=1, num_heads=self.num_heads,
