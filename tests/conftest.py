@@ -73,9 +73,10 @@ def pytest_addoption(parser):
            "compiled programs are reused across seeds.")
   parser.addoption(
       "--full", action="store_true",
-      help="run the parity test's whole grid: every implementation's causal mode on every "
-           "shape. Default (the CI setting): each implementation's causal mode on one shape "
-           "and every variant on every shape (support/_helpers.py, `covering_grid`).")
+      help="run the shared suite's whole grids: every implementation's causal mode on every "
+           "parity shape, and in both 16-bit dtypes. Default (the CI setting): each on one "
+           "shape and one dtype, every variant on every shape and in both dtypes "
+           "(support/_helpers.py, `covering_grid`).")
 
 
 def pytest_configure(config):

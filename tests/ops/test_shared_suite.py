@@ -509,11 +509,9 @@ def _low_precision_params():
     fast = [c for c in group if c.implementation != "reference"]
     for case in group:
       dtypes = LOW_PRECISION
-      if FULL_GRID:
-        pass
-      elif case not in fast:
+      if case not in fast and not FULL_GRID:
         dtypes = (LOW_PRECISION[index % len(LOW_PRECISION)],)
-      elif len(fast) >= len(LOW_PRECISION):
+      elif len(fast) >= len(LOW_PRECISION) and not FULL_GRID:
         dtypes = (LOW_PRECISION[(fast.index(case) + index) % len(LOW_PRECISION)],)
       name = "+".join(jnp.dtype(d).name for d in dtypes)
       params.append(pytest.param(case, dtypes, id=f"{case.id}-{name}"))

@@ -86,11 +86,11 @@ def _check_inputs(x: jax.Array, features: int, segment_ids: Any, *, fn: str) -> 
 ROPE_BASE = 10000.0
 
 
-def rotary(x: jax.Array, positions: jax.Array, *, base: float = ROPE_BASE) -> jax.Array:
+def rotary(x: jax.Array, positions: jax.Array) -> jax.Array:
   """The rotary position embedding of ``x [B, T, ..., H]`` at ``positions [B, T]``.
 
   Each pair of features ``(x_i, x_{i + H/2})`` (halves, not interleaved) turns by the
-  angle ``p θ_i`` with ``θ_i = base^(-2i / H)``, in float32::
+  angle ``p θ_i`` with ``θ_i = ROPE_BASE^(-2i / H)``, in float32::
 
       (x_i, x_{i+H/2}) ↦ (x_i cos pθ_i - x_{i+H/2} sin pθ_i, x_{i+H/2} cos pθ_i + x_i sin pθ_i)
 
@@ -100,7 +100,7 @@ def rotary(x: jax.Array, positions: jax.Array, *, base: float = ROPE_BASE) -> ja
     Su et al., "RoFormer: Enhanced Transformer with Rotary Position Embedding", 2021.
   """
   half = x.shape[-1] // 2
-  theta = base ** (-2.0 * jnp.arange(half, dtype=jnp.float32) / x.shape[-1])
+  theta = ROPE_BASE ** (-2.0 * jnp.arange(half, dtype=jnp.float32) / x.shape[-1])
   angle = positions.astype(jnp.float32)[..., None] * theta[None, None]  # [B, T, H/2]
   angle = angle.reshape(angle.shape[:2] + (1,) * (x.ndim - 3) + (half,))
   cos, sin = jnp.cos(angle), jnp.sin(angle)
@@ -724,17 +724,16 @@ class RecurrentMixer(nnx.Module):
         positions = segment_positions(ids, (B, T))
       q, k = rotary(q, positions), rotary(k, positions)
     gates = self.gates(x)
-    packed = {} if ids is None else {"segment_ids": ids}
+    packed = lambda ids: {} if ids is None else {"segment_ids": ids}  # noqa: E731
     if n > 1 and not decode:  # DeltaProduct's chunked form reads each token's last step only.
       o = delta_product_attention(q, k, v, gates[self._beta_name],
                                   log_decay=gates.get(self._decay_name), is_causal=True,
-                                  **packed, **self.attention_options)
+                                  **packed(ids), **self.attention_options)
     else:
       if n > 1:  # The n·T steps in order: each token's decay on its first, query on its last.
         beta, g = gates[self._beta_name], gates.get(self._decay_name)
         q, k, v, beta, g, _, ids, _ = steps_in_order(q, k, v, beta, g, None, ids, fn=fn)
         gates = {self._beta_name: beta} | ({} if g is None else {self._decay_name: g})
-        packed = {} if ids is None else {"segment_ids": ids}
       if decode:
         before = self.cache.get_value()
         cache, o = cache_lib.state_decode(self._spec, before, q, k, v,
@@ -742,8 +741,8 @@ class RecurrentMixer(nnx.Module):
                                           segment_ids=ids)
         self.cache.set_value(cache._replace(index=before.index + T))  # Tokens, not steps.
       else:
-        o = self._spec.function(q, k, v, is_causal=True, **packed, **self.attention_options,
-                                **gates)
+        o = self._spec.function(q, k, v, is_causal=True, **packed(ids),
+                                **self.attention_options, **gates)
       if n > 1:
         o = o.reshape((B, T, n) + o.shape[2:])[:, :, -1]  # Each token's last step.
     g = None
