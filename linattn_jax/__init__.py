@@ -69,6 +69,13 @@ from linattn_jax._src.linear import (
     linear_attention_step,
 )
 from linattn_jax._src.linformer import linformer_attention, linformer_attention_reference
+from linattn_jax._src.log_linear import (
+    LogLinearState,
+    init_log_linear_state,
+    log_linear_attention,
+    log_linear_attention_reference,
+    log_linear_attention_step,
+)
 from linattn_jax._src.performer import (
     PerformerState,
     init_performer_state,
@@ -144,6 +151,7 @@ __all__ = [
     "init_heinsen_state",
     "init_linear_state",
     "init_local_state",
+    "init_log_linear_state",
     "init_performer_state",
     "linear_attention",
     "linear_attention_reference",
@@ -156,6 +164,10 @@ __all__ = [
     "LocalState",
     "longformer_attention",
     "log_heinsen_attention",
+    "log_linear_attention",
+    "log_linear_attention_reference",
+    "log_linear_attention_step",
+    "LogLinearState",
     "masks",
     "nn",
     "performer_attention",
