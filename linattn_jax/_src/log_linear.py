@@ -309,11 +309,23 @@ def log_linear_attention_reference(
     query: ArrayLike, key: ArrayLike, value: ArrayLike, level_scales: ArrayLike, *,
     log_decay: ArrayLike | None = None, scale: float | None = None, is_causal: bool = False,
 ) -> jax.Array:
-  """The oracle of :func:`log_linear_attention`: the definition with dense ``[T, T]``
-  weights (every pair's level, decay and scale), float32.
+  """The oracle of :func:`log_linear_attention`: its definition with dense weights.
+
+  Every pair's level, decay and scale in a ``[T, T]`` matrix, float32.
+
+  Takes the arrays ``[B, T, N, H]``, ``[B, T, K, H]``, ``[B, T, K, D]``, ``[B, T, N, L]``
+  and the options of :func:`log_linear_attention` but the state and the implementation.
 
   Raises:
     ValueError: as :func:`log_linear_attention`, under this name.
+
+  Examples:
+    >>> x = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))
+    >>> lam = jnp.broadcast_to(jnp.linspace(1.0, 0.5, 4), (1, 8, 2, 4))  # Far levels weigh less.
+    >>> fast = la.log_linear_attention(x, x, x, lam, is_causal=True)
+    >>> bool(jnp.allclose(fast, la.log_linear_attention_reference(x, x, x, lam, is_causal=True),
+    ...                   atol=1e-5))
+    True
 
   References:
     Guo et al., "Log-Linear Attention", 2025.
@@ -329,8 +341,9 @@ def log_linear_attention_reference(
 
 def init_log_linear_state(batch: int, num_kv_heads: int, head_dim: int, value_dim: int,
                           num_levels: int) -> LogLinearState:
-  """The empty :class:`LogLinearState` at position 0: zero ``levels [B, K, L - 1, H, D]``
-  (float32), serving positions below ``2^(L-1)``.
+  """The empty :class:`LogLinearState`: position 0, zero ``levels [B, K, L - 1, H, D]``.
+
+  float32; it serves positions below ``2^(L-1)``.
 
   Args:
     batch: B.
@@ -385,6 +398,9 @@ def log_linear_attention_step(state: LogLinearState, query: ArrayLike, key: Arra
     >>> state, out = la.log_linear_attention_step(state, x, x, x, jnp.ones((1, 2, 3)))
     >>> state.position
     Array([1], dtype=int32)
+
+  References:
+    Guo et al., "Log-Linear Attention", 2025.
   """
   fn = "log_linear_attention_step"
   if not isinstance(state, LogLinearState):

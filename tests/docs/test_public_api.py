@@ -87,6 +87,7 @@ def test_the_oracles_reject_bad_input_under_their_own_name(name):
   extra = (kv, kv) if name.startswith("dplr") else extra  # a and b [B, S, K, H].
   steps = name.startswith("delta_product")  # Keys and values [B, S, n, K, H]; beta [B, S, n, K].
   extra = (jnp.zeros((1, 4, 1, 3)),) if steps else extra
+  extra = (jnp.ones((1, 4, 2, 3)),) if name.startswith("log_linear") else extra  # λ [B, T, N, L]
   fn = lambda q, k, v, **kw: getattr(la, name)(  # noqa: E731
       q, *((k[:, :, None], v[:, :, None]) if steps else (k, v)), *extra, **options, **kw)
   with pytest.raises(ValueError, match=rf"^{name}: .*multiple of.*K=3"):
