@@ -10,6 +10,15 @@ for parallel code generation (the two test workers already fill two cores).
 Every tolerance holds either way; to test the default code generation,
 run with e.g. ``XLA_FLAGS=`` (empty) set.
 
+The session's workers share one XLA compilation cache (a temporary folder the
+first process makes and removes at the end): many tests compile the same
+programs (a call made eagerly and under ``jax.jit`` lowers to one module, and
+the cases of a parametrized test are spread over the workers), and each is then
+compiled once. JAX reports a program the cache returns as a compilation (its
+``backend_compile_duration`` event spans the lookup), so ``CompileCounter``
+still counts every compilation the in-memory caches miss. Set
+``JAX_COMPILATION_CACHE_DIR`` to use another folder (kept).
+
 Float32 matrix products run at full precision: the parity tolerances are
 float32's. (GPUs otherwise multiply float32 in TF32, with 10-bit mantissas.)
 
@@ -30,7 +39,9 @@ standard dtype rules; rank promotion stays "raise" for them too.
 
 import os
 import pathlib
+import shutil
 import sys
+import tempfile
 
 import jax
 import jaxlib.version
@@ -53,6 +64,14 @@ os.environ.setdefault("XLA_FLAGS", _FAST_COMPILE_FLAGS)
 if "JAX_DEFAULT_MATMUL_PRECISION" not in os.environ:
   os.environ["JAX_DEFAULT_MATMUL_PRECISION"] = "highest"
   jax.config.update("jax_default_matmul_precision", "highest")
+# The first process (the xdist controller, or a lone pytest) makes the folder; the workers
+# it starts inherit the variable.
+_OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
+if _OWN_CACHE:
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="linattn-jax-xla-cache-")
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_numpy_dtype_promotion", "strict")
@@ -77,6 +96,11 @@ def pytest_addoption(parser):
            "parity shape, and in both 16-bit dtypes. Default (the CI setting): each on one "
            "shape and one dtype, every variant on every shape and in both dtypes "
            "(support/_helpers.py, `covering_grid`).")
+
+
+def pytest_unconfigure(config):
+  if _OWN_CACHE and not hasattr(config, "workerinput"):  # The process that made it.
+    shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
 def pytest_configure(config):
