@@ -76,7 +76,8 @@ def _time_cell(record: dict[str, Any]) -> str:
     return "not run" if str(record["status"]).startswith("skipped") else "error"
   ratios = [_ratio(record[key]) + suffix for key, suffix in
             (("ratio_vs_xla", ""), ("ratio_vs_masked_xla", " vs mask"),
-             ("ratio_vs_unpacked", " vs unpacked")) if key in record]
+             ("ratio_vs_unpacked", " vs unpacked"),
+             ("ratio_vs_versus", f" vs {record.get('versus')}")) if key in record]
   return _ms(record["median_s"]) + (f" ({'; '.join(ratios)})" if ratios else "")
 
 

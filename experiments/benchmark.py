@@ -20,6 +20,12 @@ in turns (one call of each per round), so that a load that changes during the ru
 weighs on both alike; the packed record quotes ``ratio_vs_unpacked``, the ratio of
 the two medians.
 
+With ``--versus=NAME``, every other case of a length and mode is timed in turns with
+the registered variant NAME at the case's implementation (its default where it has
+not that one), the same way: its record quotes ``ratio_vs_versus``. Ratios between
+cases timed one after the other move with the machine's load (on a shared machine
+by a fifth and more between runs); ratios taken in turns do not.
+
 With ``--delta_product_steps=n``, Gated DeltaProduct (``delta_product_attention``,
 n keys per token: the query-length key and its copies shifted by one to n - 1
 positions) is timed too, as ``gated_delta_product_n<n>``, with a decay per token and
@@ -34,6 +40,8 @@ Usage (from the repository root)::
   python -m experiments.benchmark --lengths=256,512,1024 --modes=forward,backward
   python -m experiments.benchmark --variants=local --options='{"window_size": [256, 0]}' \
       --lengths=8192 --modes=backward --segment_every=1000 --noxla_baseline
+  python -m experiments.benchmark --variants=kda --implementations=chunked --lengths=8192 \
+      --modes=backward --versus=gated_delta_net --noxla_baseline
 """
 
 from __future__ import annotations
@@ -99,6 +107,11 @@ _DELTA_PRODUCT_STEPS = flags.DEFINE_integer(
     "delta_product_steps", None,
     "Also time Gated DeltaProduct (delta_product_attention) with this many delta steps per "
     "token (it has no registry entry: its keys are [B, S, n, K, H]). Default: off.")
+_VERSUS = flags.DEFINE_string(
+    "versus", None,
+    "A registered variant timed in turns with every other case of the same length and mode "
+    "(at the case's implementation where it has it): the record quotes ratio_vs_versus. "
+    "Default: off.")
 _SEGMENT_EVERY = flags.DEFINE_integer(
     "segment_every", None,
     "Also time each variant that takes segment_ids packed, with segment_ids = arange(T) // N "
@@ -143,6 +156,7 @@ class Config:
   segment_every: int | None = None  # Packed cases: segment_ids = arange(T) // segment_every.
   xla_baseline: bool = True
   delta_product_steps: int | None = None  # Gated DeltaProduct cases with n steps per token.
+  versus: str | None = None  # A variant timed in turns with each other case (ratio_vs_versus).
 
 
 class Case(NamedTuple):
@@ -200,6 +214,7 @@ def config_from_flags() -> Config:
       segment_every=_SEGMENT_EVERY.value,
       xla_baseline=_XLA_BASELINE.value,
       delta_product_steps=_DELTA_PRODUCT_STEPS.value,
+      versus=_VERSUS.value,
   )
   _validate(config)
   return config
@@ -241,6 +256,9 @@ def _validate(config: Config) -> None:
                                                  or not config.causal):
     raise app.UsageError("--delta_product_steps needs a positive n and --causal; got "
                          f"{config.delta_product_steps}.")
+  if config.versus is not None and config.versus not in linattn_jax.available_attentions():
+    raise app.UsageError(f"--versus: unknown variant {config.versus!r}; registered: "
+                         f"{linattn_jax.available_attentions()}.")
   offered = set()
   for name in config.variants:
     try:
@@ -588,14 +606,16 @@ def time_in_turns(calls: Sequence[tuple[Any, Sequence[Any]]], *, warmup: int,
 
 
 def measure(fn: Callable, args: Sequence[Any], config: Config,
-            unpacked: tuple[Callable, Sequence[Any]] | None = None) -> dict[str, Any]:
+            twin: tuple[Callable, Sequence[Any]] | None = None,
+            twin_name: str = "unpacked") -> dict[str, Any]:
   """Compiles ``fn``, records its memory, and times it unless it needs too much.
 
   An argument may be a zero-argument callable (a large array such as a dense
   mask): it is compiled from its shape and only built if the case runs.
-  ``unpacked``: for a packed case, the same call without segment ids and its
-  arguments, timed in turns with ``fn`` (:func:`time_in_turns`); the record then
-  also holds its times and ``ratio_vs_unpacked``.
+  ``twin``: a call and its arguments timed in turns with ``fn`` (:func:`time_in_turns`):
+  for a packed case the same call without segment ids (``twin_name="unpacked"``), with
+  ``--versus`` that variant's (``"versus"``); the record then also holds its times and
+  ``ratio_vs_<twin_name>``, the ratio of the two medians.
   """
   abstract = [jax.eval_shape(a) if callable(a) else a for a in args]
   compiled, compile_s = compile_function(fn, abstract)
@@ -606,18 +626,28 @@ def measure(fn: Callable, args: Sequence[Any], config: Config,
     record["status"] = f"skipped: needs {needed / _GIB:.3g} GiB"
     return record
   concrete = [a() if callable(a) else a for a in args]
-  if unpacked is None:
+  if twin is None:
     times = time_executable(compiled, concrete, warmup=config.warmup, repeats=config.repeats)
   else:
-    twin, _ = compile_function(*unpacked)
-    times, twin_times = time_in_turns([(compiled, concrete), (twin, unpacked[1])],
+    other, _ = compile_function(*twin)
+    times, twin_times = time_in_turns([(compiled, concrete), (other, twin[1])],
                                       warmup=config.warmup, repeats=config.repeats)
     twin_median = statistics.median(twin_times)
-    record.update(unpacked_times_s=twin_times, unpacked_median_s=twin_median,
-                  ratio_vs_unpacked=statistics.median(times) / twin_median)
+    record.update({f"{twin_name}_times_s": twin_times, f"{twin_name}_median_s": twin_median,
+                   f"ratio_vs_{twin_name}": statistics.median(times) / twin_median})
   record.update(status="ok", times_s=times, median_s=statistics.median(times),
                 min_s=min(times))
   return record
+
+
+def versus_case(config: Config, case: Case) -> Case | None:
+  """The ``--versus`` variant's case timed in turns with ``case`` (None: none is)."""
+  if (config.versus is None or case.kind not in ("attention", "delta_product")
+      or case.mode == "step" or case.variant == config.versus):
+    return None
+  offered = linattn_jax.get_spec(config.versus).implementations
+  implementation = case.implementation if case.implementation in offered else None
+  return Case("attention", config.versus, implementation, case.length, case.mode)
 
 
 def run_case(config: Config, case: Case, inputs: Inputs) -> dict[str, Any]:
@@ -627,9 +657,14 @@ def run_case(config: Config, case: Case, inputs: Inputs) -> dict[str, Any]:
     record["status"] = "skipped: dot_product_attention needs value_dim == head_dim"
     return record
   try:
-    unpacked = (case_function(config, case._replace(kind="attention"), inputs)
-                if case.kind == "packed" else None)
-    record.update(measure(*case_function(config, case, inputs), config, unpacked))
+    if case.kind == "packed":
+      twin, twin_name = case_function(config, case._replace(kind="attention"), inputs), "unpacked"
+    elif versus_case(config, case) is not None:
+      twin, twin_name = case_function(config, versus_case(config, case), inputs), "versus"
+      record["versus"] = config.versus
+    else:
+      twin, twin_name = None, "unpacked"
+    record.update(measure(*case_function(config, case, inputs), config, twin, twin_name))
   except Exception as e:  # One failed case (e.g. out of memory) must not end the sweep.
     first_line = next(iter(str(e).splitlines()), "")
     record["status"] = f"error: {type(e).__name__}: {first_line[:200]}"
@@ -681,7 +716,7 @@ _ROW_END = " {:>10} {:>7} {:>8} {:>8} {:>9} {:>9}  {}"
 def print_header() -> None:
   """Prints the column titles of the progress table."""
   start = _ROW_START.format("case", "variant", "impl", "T", "mode")
-  end = _ROW_END.format("median_ms", "x_xla", "x_masked", "x_unpack", "GFLOP/s", "temp_MiB",
+  end = _ROW_END.format("median_ms", "x_xla", "x_masked", "x_turns", "GFLOP/s", "temp_MiB",
                         "status")
   print(start + end, flush=True)
 
@@ -700,7 +735,7 @@ def print_row_end(record: dict[str, Any]) -> None:
       _format(record.get("median_s"), 1e3, ".3f"),
       _format(record.get("ratio_vs_xla"), 1, ".2f"),
       _format(record.get("ratio_vs_masked_xla"), 1, ".3f"),
-      _format(record.get("ratio_vs_unpacked"), 1, ".3f"),
+      _format(record.get("ratio_vs_unpacked", record.get("ratio_vs_versus")), 1, ".3f"),
       _format(record.get("gflops"), 1, ".1f"),
       _format(temp, 1 / _MIB, ".1f"),
       record["status"],

@@ -43,7 +43,8 @@ from linattn_jax._src.registry import Role, TokenInput
 LogLinearImplementation = Literal["reference", "scan", "chunked"]
 _IMPLEMENTATIONS: tuple[str, ...] = typing.get_args(LogLinearImplementation)
 _DECAY = TokenInput("log_decay", Role.DECAY)
-# Positions per chunk of the chunked form when ``chunk_size=None``.
+# Positions per chunk of the chunked form when ``chunk_size=None``: the fastest measured on
+# CPU (docs/benchmarks.md#chunk-size).
 DEFAULT_CHUNK_SIZE = 64
 
 
