@@ -10,8 +10,9 @@ for parallel code generation (the two test workers already fill two cores).
 Every tolerance holds either way; to test the default code generation,
 run with e.g. ``XLA_FLAGS=`` (empty) set.
 
-The session's workers share one XLA compilation cache (a temporary folder the
-first process makes and removes at the end): many tests compile the same
+The session's workers, and the processes they start, share one XLA compilation
+cache (a temporary folder the first process makes and removes at the end),
+which keeps every program: many tests compile the same
 programs (a call made eagerly and under ``jax.jit`` lowers to one module, and
 the cases of a parametrized test are spread over the workers), and each is then
 compiled once. JAX reports a program the cache returns as a compilation (its
@@ -69,6 +70,10 @@ if "JAX_DEFAULT_MATMUL_PRECISION" not in os.environ:
 _OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
 if _OWN_CACHE:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="linattn-jax-xla-cache-")
+# Every program, however quick to compile; the subprocesses the tests start (training
+# runs, notebook kernels) read the same settings from the environment.
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
