@@ -31,6 +31,10 @@ n keys per token: the query-length key and its copies shifted by one to n - 1
 positions) is timed too, as ``gated_delta_product_n<n>``, with a decay per token and
 write strengths drawn like the registered variants' gates.
 
+With ``--log_linear``, log-linear attention (``log_linear_attention``, no registry entry
+either) is timed too, as ``log_linear``, with ``L = bit_length(T - 1) + 1`` levels of
+scales drawn in [0.5, 1] and a decay per token like the registered variants' gates.
+
 Writes ``<output_dir>/benchmark.json`` (after every case, so an interrupted
 run keeps what it measured) and log-log plots ``time_<mode>.png`` and
 ``memory.png``.
@@ -107,6 +111,10 @@ _DELTA_PRODUCT_STEPS = flags.DEFINE_integer(
     "delta_product_steps", None,
     "Also time Gated DeltaProduct (delta_product_attention) with this many delta steps per "
     "token (it has no registry entry: its keys are [B, S, n, K, H]). Default: off.")
+_LOG_LINEAR = flags.DEFINE_bool(
+    "log_linear", False,
+    "Also time log_linear_attention (no registry entry: its level_scales are [B, T, N, L]) "
+    "with L = bit_length(T - 1) + 1 levels; --options reach it (chunk_size).")
 _VERSUS = flags.DEFINE_string(
     "versus", None,
     "A registered variant timed in turns with every other case of the same length and mode "
@@ -157,10 +165,12 @@ class Config:
   xla_baseline: bool = True
   delta_product_steps: int | None = None  # Gated DeltaProduct cases with n steps per token.
   versus: str | None = None  # A variant timed in turns with each other case (ratio_vs_versus).
+  log_linear: bool = False  # Log-linear attention cases.
 
 
 class Case(NamedTuple):
-  """One measurement: ``kind`` is "attention", "packed", "xla", "masked" or "matmul".
+  """One measurement: ``kind`` is "attention", "packed", "xla", "masked", "matmul",
+  "delta_product" or "log_linear".
 
   "masked" is softmax attention's XLA path with the dense twin of the sparse
   variant ``variant``; "packed" is the attention case called with
@@ -215,6 +225,7 @@ def config_from_flags() -> Config:
       xla_baseline=_XLA_BASELINE.value,
       delta_product_steps=_DELTA_PRODUCT_STEPS.value,
       versus=_VERSUS.value,
+      log_linear=_LOG_LINEAR.value,
   )
   _validate(config)
   return config
@@ -256,6 +267,8 @@ def _validate(config: Config) -> None:
                                                  or not config.causal):
     raise app.UsageError("--delta_product_steps needs a positive n and --causal; got "
                          f"{config.delta_product_steps}.")
+  if config.log_linear and not config.causal:
+    raise app.UsageError("--log_linear needs --causal (log-linear attention is causal only).")
   if config.versus is not None and config.versus not in linattn_jax.available_attentions():
     raise app.UsageError(f"--versus: unknown variant {config.versus!r}; registered: "
                          f"{linattn_jax.available_attentions()}.")
@@ -336,6 +349,8 @@ def plan_cases(config: Config) -> list[Case]:
       if config.delta_product_steps:
         cases.append(Case("delta_product", f"gated_delta_product_n{config.delta_product_steps}",
                           None, length, mode))
+      if config.log_linear:
+        cases.append(Case("log_linear", "log_linear", None, length, mode))
   return cases
 
 
@@ -427,6 +442,8 @@ def case_function(config: Config, case: Case, inputs: Inputs) -> tuple[Callable,
     return decode_step(config, case, inputs)
   if case.kind == "delta_product":
     return delta_product_case(config, case, inputs)
+  if case.kind == "log_linear":
+    return log_linear_case(config, case, inputs)
   attention = attention_function(config, case)
   qkv = (inputs.query, inputs.key, inputs.value)
   extra = (functools.partial(dense_twin, config, case),) if case.kind == "masked" else ()
@@ -459,6 +476,27 @@ def delta_product_case(config: Config, case: Case, inputs: Inputs) -> tuple[Call
   if case.mode == "forward":
     return attention, args + (beta, log_decay)
   return forward_backward(attention), args + (inputs.cotangent, beta, log_decay)
+
+
+def log_linear_case(config: Config, case: Case, inputs: Inputs) -> tuple[Callable, tuple]:
+  """Log-linear attention with ``L = bit_length(T - 1) + 1`` levels: scales in [0.5, 1] per
+  query head and level, and a decay per token and head."""
+  rng = np.random.default_rng(_SEED + 3)
+  B, T, N, K = config.batch, case.length, config.heads, config.kv_heads
+  level_scales = jnp.asarray(rng.uniform(0.5, 1.0, (B, T, N, (T - 1).bit_length() + 1)),
+                             jnp.float32)
+  log_decay = common.gate_from_normal(
+      linattn_jax.TokenInput("log_decay", linattn_jax.Role.DECAY),
+      jnp.asarray(rng.standard_normal((B, T, K), np.float32)))
+
+  def attention(query, key, value, level_scales, log_decay):
+    return linattn_jax.log_linear_attention(query, key, value, level_scales,
+                                            log_decay=log_decay, is_causal=True, **config.options)
+
+  args = (inputs.query, inputs.key, inputs.value)
+  if case.mode == "forward":
+    return attention, args + (level_scales, log_decay)
+  return forward_backward(attention), args + (inputs.cotangent, level_scales, log_decay)
 
 
 # A timed "step" call decodes this many tokens in one lax.scan, as a decoding
@@ -642,7 +680,7 @@ def measure(fn: Callable, args: Sequence[Any], config: Config,
 
 def versus_case(config: Config, case: Case) -> Case | None:
   """The ``--versus`` variant's case timed in turns with ``case`` (None: none is)."""
-  if (config.versus is None or case.kind not in ("attention", "delta_product")
+  if (config.versus is None or case.kind not in ("attention", "delta_product", "log_linear")
       or case.mode == "step" or case.variant == config.versus):
     return None
   offered = linattn_jax.get_spec(config.versus).implementations

@@ -78,7 +78,8 @@ def test_benchmark_times_packed_calls_against_the_unpacked_ones(tmp_path):
 
 
 def test_benchmark_times_gated_delta_product_beside_the_registered_variants(tmp_path):
-  """``delta_product_steps``: delta_product_attention with n keys per token, in each mode;
+  """``delta_product_steps``: delta_product_attention with n keys per token, in each mode
+  (``log_linear``: log_linear_attention, the same way);
   ``versus``: each other case timed in turns with that variant (at the case's
   implementation where it has it), for ``ratio_vs_versus``."""
   config = benchmark.Config(
@@ -86,16 +87,17 @@ def test_benchmark_times_gated_delta_product_beside_the_registered_variants(tmp_
       batch=1, heads=2, kv_heads=2, head_dim=4, value_dim=4, dtype="float32", causal=True,
       modes=("forward", "backward"), repeats=2, warmup=0, output_dir=str(tmp_path), plot=False,
       max_memory_fraction=0.7, options={}, matmul_baseline=False, masked_baseline=False,
-      xla_baseline=False, delta_product_steps=3, versus="gated_delta_net")
+      xla_baseline=False, delta_product_steps=3, versus="gated_delta_net", log_linear=True)
   cases = benchmark.run_benchmark(config)["cases"]
   assert [(c["kind"], c["variant"][:10], c["mode"]) for c in cases] == [
       ("attention", "gated_delt", "forward"), ("attention", "simple_gla", "forward"),
-      ("delta_product", "gated_delt", "forward"), ("attention", "gated_delt", "backward"),
-      ("attention", "simple_gla", "backward"), ("delta_product", "gated_delt", "backward")]
+      ("delta_product", "gated_delt", "forward"), ("log_linear", "log_linear", "forward"),
+      ("attention", "gated_delt", "backward"), ("attention", "simple_gla", "backward"),
+      ("delta_product", "gated_delt", "backward"), ("log_linear", "log_linear", "backward")]
   assert all(c["status"] == "ok" for c in cases), [c["status"] for c in cases]
   assert cases[2]["variant"] == "gated_delta_product_n3"
   assert "ratio_vs_versus" not in cases[0]  # The variant itself.
-  for case in cases[1:3] + cases[4:]:
+  for case in cases[1:4] + cases[5:]:
     assert case["versus"] == "gated_delta_net" and len(case["versus_times_s"]) == 2
     assert case["ratio_vs_versus"] == pytest.approx(
         case["median_s"] / case["versus_median_s"])
