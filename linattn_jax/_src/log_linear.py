@@ -135,14 +135,20 @@ def _chunk(scale, c, carry, x):
   return (levels, n + 1), scale * out
 
 
+def _empty(k, v, lam):
+  """The state at position 0: zero levels ``[B, K, L - 1, H, D]`` and positions ``[B]``."""
+  B, K, _, H = k.shape
+  return (jnp.zeros((B, K, lam.shape[-1] - 1, H, v.shape[-1]), k.dtype),
+          jnp.zeros((B,), jnp.int32))
+
+
 def _chunked(scale, C, q, k, v, lam, g):
   """Whole chunks of C, then the last ``T mod C`` positions token by token."""
-  B, K, T, H = k.shape
-  D, L = v.shape[-1], lam.shape[-1]
+  T, D = k.shape[2], v.shape[-1]
   c = C.bit_length() - 1
   whole = T // C * C
-  zeros = jnp.zeros((B, K, L - 1, H, D), q.dtype)
-  carry = (zeros[:, :, c:], jnp.zeros((B,), jnp.int32))
+  zeros, position = _empty(k, v, lam)
+  carry = (zeros[:, :, c:], position)
   outs = []
   if whole:
     cut = lambda x, axis: jnp.moveaxis(  # noqa: E731
@@ -217,8 +223,7 @@ def _log_linear(query, key, value, level_scales, log_decay, *, scale, is_causal,
                        "'chunked' with return_state=True.")
     out, state = _reference(scale, q, k, v, lam, g), None
   elif implementation == "scan":
-    zeros = jnp.zeros((B, K, L - 1, H, D), q.dtype)
-    state, out = _scan_tokens(scale, (zeros, jnp.zeros((B,), jnp.int32)), q, k, v, lam, g)
+    state, out = _scan_tokens(scale, _empty(k, v, lam), q, k, v, lam, g)
   else:
     state, out = _chunked(scale, chunk_size, q, k, v, lam, g)
   out = p.restore(out.transpose(0, 3, 1, 2, 4).reshape(B, T, N, D).astype(p.query.dtype))
@@ -410,9 +415,10 @@ def log_linear_attention_step(state: LogLinearState, query: ArrayLike, key: Arra
   position = state.position
   if not isinstance(position, jax.core.Tracer) and jnp.ndim(state.levels) == 5:
     M = jnp.shape(state.levels)[2]
-    if int(jnp.max(jnp.asarray(position))) >= 2 ** M:
+    furthest = int(jnp.max(jnp.asarray(position)))
+    if furthest >= 2 ** M:
       raise ValueError(f"{fn}: a state of {M} levels serves positions below {2 ** M}; got "
-                       f"position {int(jnp.max(jnp.asarray(position)))}.")
+                       f"position {furthest}.")
   if log_decay is not None:
     _DECAY.check_bounds(log_decay, fn=fn)
   return _step(state, query, key, value, level_scales, log_decay,
