@@ -88,6 +88,9 @@ import toy_gated  # noqa: E402
 
 toy_gated.register()
 
+# Each test's seconds and compilations (support/costs.py; ``--cost-report=PATH``).
+pytest_plugins = ("costs",)
+
 
 def pytest_addoption(parser):
   parser.addoption(

@@ -1,0 +1,145 @@
+"""What each test costs: seconds, and the programs JAX traces, lowers and compiles for it.
+
+A pytest plugin (``tests/conftest.py`` loads it). Every test is measured with
+``jax.monitoring``'s compile events (trace, lowering to MLIR, backend compile;
+a program the persistent cache returns still counts as a compilation, its
+event spans the lookup). With ``--cost-report=PATH`` the session writes the
+per-file totals, and the slowest tests, to ``PATH`` as JSON (each xdist worker
+writes its part, the controller joins them); ``docs/render_results.py``
+renders ``docs/results/test_costs/test_costs.json`` on the Testing page.
+
+The number of distinct programs the session compiled (the entries of its
+compilation cache, shared by every worker and subprocess) does not depend on
+how the tests are dealt to the workers, nor on the machine: ``--cost-report``
+records it, and ``tests/compile_budget.json`` bounds it (checked at the end of
+a whole-suite run; see :func:`check_budget`).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import pathlib
+import time
+
+import jax
+
+_EVENTS = {
+    "/jax/core/compile/jaxpr_trace_duration": "trace_s",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
+    "/jax/core/compile/backend_compile_duration": "compile_s",
+}
+FIELDS = ("tests", "seconds", "compiles", "trace_s", "lower_s", "compile_s")
+BUDGET = pathlib.Path(__file__).parent.parent / "compile_budget.json"
+
+
+class _Meter:
+  """Sums the compile events between :meth:`start` and :meth:`stop`."""
+
+  def __init__(self):
+    self.totals = collections.Counter()
+    jax.monitoring.register_event_duration_secs_listener(self._listener)
+
+  def _listener(self, event: str, duration: float, **kwargs) -> None:
+    del kwargs
+    field = _EVENTS.get(event)
+    if field is not None:
+      self.totals[field] += duration
+      self.totals["compiles"] += field == "compile_s"
+
+  def take(self) -> collections.Counter:
+    out, self.totals = self.totals, collections.Counter()
+    return out
+
+
+_meter: _Meter | None = None
+_records: dict[str, collections.Counter] = {}
+
+
+def pytest_addoption(parser):
+  parser.addoption(
+      "--cost-report", default=None, metavar="PATH",
+      help="write each test file's seconds, compilations and trace/lower/compile seconds, "
+           "the slowest tests and the session's distinct compiled programs to PATH (JSON)")
+
+
+def pytest_configure(config):
+  global _meter
+  _meter = _Meter()
+
+
+_start = 0.0
+
+
+def pytest_runtest_logstart(nodeid, location):
+  del nodeid, location
+  global _start
+  _meter.take()
+  _start = time.perf_counter()
+
+
+def pytest_runtest_logfinish(nodeid, location):
+  del location
+  record = _meter.take()
+  record["seconds"] = time.perf_counter() - _start
+  _records[nodeid] = record
+
+
+def _part_path(config, worker: str) -> pathlib.Path:
+  return pathlib.Path(config.getoption("--cost-report") + f".{worker}.part")
+
+
+def distinct_programs() -> int | None:
+  """Entries of the session's compilation cache: the programs it compiled, counted once."""
+  folder = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+  if not folder or not os.path.isdir(folder):
+    return None
+  return sum(1 for name in os.listdir(folder) if name.endswith("-cache"))
+
+
+def pytest_sessionfinish(session, exitstatus):
+  del exitstatus
+  config = session.config
+  if config.getoption("--cost-report") is None:
+    return
+  worker = getattr(config, "workerinput", {}).get("workerid")
+  if worker is not None:  # An xdist worker: its part, for the controller.
+    parts = {k: dict(v) for k, v in _records.items()}
+    _part_path(config, worker).write_text(json.dumps(parts))
+    return
+  records = {k: dict(v) for k, v in _records.items()}
+  for part in pathlib.Path(config.getoption("--cost-report")).parent.glob(
+      pathlib.Path(config.getoption("--cost-report")).name + ".*.part"):
+    records.update(json.loads(part.read_text()))
+    part.unlink()
+  write_report(config.getoption("--cost-report"), records)
+
+
+def write_report(path: str, records: dict[str, dict[str, float]]) -> None:
+  files: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+  for nodeid, record in records.items():
+    name = nodeid.split("::")[0]
+    files[name]["tests"] += 1
+    for field in FIELDS[1:]:
+      files[name][field] += record.get(field, 0)
+  functions: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+  for nodeid, record in records.items():
+    name = nodeid.split("[")[0]
+    functions[name]["tests"] += 1
+    for field in FIELDS[1:]:
+      functions[name][field] += record.get(field, 0)
+  slowest = sorted(records.items(), key=lambda item: -item[1].get("seconds", 0))[:25]
+  report = {
+      "meta": {"cpu_count": os.cpu_count(), "jax": jax.__version__,
+               "date": time.strftime("%Y-%m-%d"),
+               "xla_flags": os.environ.get("XLA_FLAGS", "")},
+      "distinct_programs": distinct_programs(),
+      "files": {name: {f: round(v, 2) for f, v in sorted(c.items())}
+                for name, c in sorted(files.items())},
+      "functions": {name: {f: round(v, 2) for f, v in sorted(c.items())}
+                    for name, c in sorted(functions.items(), key=lambda x: -x[1]["seconds"])},
+      "slowest": [{"test": nodeid, **{f: round(v, 2) for f, v in r.items()}}
+                  for nodeid, r in slowest],
+  }
+  pathlib.Path(path).write_text(json.dumps(report, indent=1) + "\n")
