@@ -184,6 +184,7 @@ def test_pair_weights_per_feature_equal_the_sum_over_features():
   avoids (float64; lengths that are no power of two; a reset; query heads broadcast)."""
   from linattn_jax._src import decays
   rng = np.random.default_rng(4)
+  pair_weights = jax.jit(decays.pair_weights)  # One program per C (eagerly: one per op).
   for C in (1, 5, 16, 37):
     x, y = rng.normal(size=(2, 3, C, 5)), rng.normal(size=(2, 1, C, 5))
     g = -rng.uniform(size=(2, 1, C, 5))
@@ -193,7 +194,7 @@ def test_pair_weights_per_feature_equal_the_sum_over_features():
     sums = np.einsum("jl,bklh,il->bkijh", later[..., 0], g, upto[:, 0].astype(float))
     want = np.einsum("bkih,bkjh,bkijh->bkij", x, y, np.exp(sums)) * np.tril(np.ones((C, C)))
     with jax.enable_x64(True):
-      got = decays.pair_weights(*(jnp.asarray(z) for z in (x, y, g)))
+      got = pair_weights(*(jnp.asarray(z) for z in (x, y, g)))
     np.testing.assert_allclose(got, want, atol=1e-12, err_msg=f"C={C}")
 
 

@@ -385,12 +385,12 @@ def test_flash_segment_boundaries_inside_blocks(block_q, block_k):
                **blocks)
       return jnp.sum(out * ct), out
 
-    (_, got), g_got = jax.value_and_grad(
+    (_, got), g_got = jax.jit(jax.value_and_grad(
         functools.partial(loss, la.flash_attention, block_q=block_q, block_k=block_k),
-        argnums=(0, 1, 2), has_aux=True)(q, k, v)
-    (_, want), g_want = jax.value_and_grad(
+        argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    (_, want), g_want = jax.jit(jax.value_and_grad(
         functools.partial(loss, la.softmax_attention_reference), argnums=(0, 1, 2),
-        has_aux=True)(q, k, v)
+        has_aux=True))(q, k, v)
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
     assert np.all(np.asarray(got)[0, 9:] == 0)  # Its keys are all padding.
     for a, b in zip(g_got, g_want, strict=True):
