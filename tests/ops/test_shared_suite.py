@@ -468,30 +468,31 @@ def _hardest_inputs(case):
 def test_jit_eager_vmap_and_unbatched_agree_without_retracing(case):
   """The compiled call equals the eager one and does not retrace on new values; under
   ``vmap`` (over a new leading axis, and over the batch, so that the function
-  sees unbatched ``[T, N, H]`` inputs) every example equals its row of the call."""
+  sees unbatched ``[T, N, H]`` inputs) every example equals its row of the call.
+
+  One compiled program judges all three: ``jit(vmap(vmap(fn)))`` over two batches, the
+  second the first reversed, equals the eager call row by row, and a second call with
+  new values traces nothing."""
   fast, is_causal, shape, (q, k, v), lengths = _hardest_inputs(case)
   traces = []
 
-  def traced(q, k, v, lengths):
+  def unbatched(q, k, v, n):  # One example at a time: unbatched inputs, a scalar length.
     traces.append(None)
-    return _call(fast, q, k, v, is_causal, lengths)
+    return _call(fast, q, k, v, is_causal, n)
 
-  jitted = jax.jit(traced)
-  out_jit = jitted(q, k, v, lengths)
-  out_eager = _call(fast, q, k, v, is_causal, lengths)
-  np.testing.assert_allclose(out_jit, out_eager, rtol=1e-5, atol=1e-6)
-  q2, k2, v2 = make_qkv(shape, seed=5)
-  jitted(q2, k2, v2, lengths + 0).block_until_ready()
-  assert len(traces) == 1, "second call with the same shapes retraced"
-
-  # Two batches, the second in reverse order; the inner vmap hands the function one
-  # example at a time (unbatched inputs, a scalar length): one program for all rows.
   stack = lambda x: jnp.stack([x, x[::-1]])  # noqa: E731
-  unbatched = lambda q, k, v, n: _call(fast, q, k, v, is_causal, n)  # noqa: E731
-  mapped = jax.jit(jax.vmap(jax.vmap(unbatched)))(stack(q), stack(k), stack(v), stack(lengths))
-  assert mapped.shape == (2,) + out_jit.shape
-  np.testing.assert_allclose(mapped[0], out_jit, rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(mapped[1], out_jit[::-1], rtol=1e-5, atol=1e-6)
+  jitted = jax.jit(jax.vmap(jax.vmap(unbatched)))
+  mapped = jitted(stack(q), stack(k), stack(v), stack(lengths))
+  out_eager = _call(fast, q, k, v, is_causal, lengths)
+  assert mapped.shape == (2,) + out_eager.shape
+  np.testing.assert_allclose(mapped[0], out_eager, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(mapped[1], out_eager[::-1], rtol=1e-5, atol=1e-6)
+  q2, k2, v2 = make_qkv(shape, seed=5)
+  traced = len(traces)
+  again = jitted(stack(q2), stack(k2), stack(v2), stack(lengths + 0))
+  assert len(traces) == traced, "second call with the same shapes retraced"
+  np.testing.assert_allclose(again[0], _call(fast, q2, k2, v2, is_causal, lengths),
+                             rtol=1e-5, atol=1e-6)
 
 
 # 5. Low precision -----------------------------------------------------------
