@@ -1,7 +1,8 @@
 """Renders the experiments' result files into Markdown tables for the documentation.
 
 ``experiments.benchmark`` writes ``benchmark.json``, ``experiments.model_step``
-``model_step.json`` and ``experiments.decode`` ``decode.json``. Each result
+``model_step.json``, ``experiments.decode`` ``decode.json`` and the test suite's
+``--cost-report`` ``test_costs.json``. Each result
 folder under ``docs/results/`` holds one of them; this script turns each into
 ``<folder>.md`` (tables and a line naming the machine and settings) in the
 output folder, which the pages include. ``conf.py`` runs it before every
@@ -176,10 +177,40 @@ def render_decode(report: dict[str, Any]) -> str:
   return "\n\n".join(parts) + "\n"
 
 
+# -------------------------------------------------------------- test costs ---
+
+
+def render_test_costs(report: dict[str, Any]) -> str:
+  """The suite's cost per file (``tests/support/costs.py``'s ``--cost-report``)."""
+  meta = report["meta"]
+  files = report["files"]
+  total = {f: sum(c.get(f, 0) for c in files.values())
+           for f in ("tests", "seconds", "compiles", "trace_s", "lower_s", "compile_s")}
+  parts = [f"Measured with {meta['cpu_count']} CPU cores and two test workers, jax "
+           f"{meta['jax']}, {meta['date']}: {total['tests']:,} tests, "
+           f"{total['seconds']:,.0f} worker-seconds, {total['compiles']:,} compilations "
+           f"({report['distinct_programs']:,} distinct programs). Seconds are per worker "
+           "(their sum, not the wall time); compilations count every program a test "
+           "traced and compiled (a persistent-cache hit too); trace, lower and compile are "
+           "the seconds JAX spent in each stage. The training runs, notebooks and worker "
+           "processes the tests start are counted in seconds only."]
+  header = ["file", "tests", "worker-s", "compilations", "trace s", "lower s", "compile s"]
+  rows = [[f"`{name}`", str(c.get("tests", 0)), f"{c.get('seconds', 0):.1f}",
+           str(c.get("compiles", 0)), f"{c.get('trace_s', 0):.1f}",
+           f"{c.get('lower_s', 0):.1f}", f"{c.get('compile_s', 0):.1f}"]
+          for name, c in sorted(files.items(), key=lambda item: -item[1].get("seconds", 0))]
+  rows.append(["all", f"{total['tests']:,}", f"{total['seconds']:.0f}",
+               f"{total['compiles']:,}", f"{total['trace_s']:.0f}", f"{total['lower_s']:.0f}",
+               f"{total['compile_s']:.0f}"])
+  parts.append(_table(header, rows))
+  return "\n\n".join(parts) + "\n"
+
+
 RENDERERS = {
     "benchmark.json": render_benchmark,
     "model_step.json": render_model_step,
     "decode.json": render_decode,
+    "test_costs.json": render_test_costs,
 }
 
 

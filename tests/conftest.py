@@ -106,6 +106,13 @@ def pytest_addoption(parser):
            "(support/_helpers.py, `covering_grid`).")
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+  del exitstatus
+  import costs
+  costs.check_budget(session, _OWN_CACHE)
+
+
 def pytest_unconfigure(config):
   if _OWN_CACHE and not hasattr(config, "workerinput"):  # The process that made it.
     shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)

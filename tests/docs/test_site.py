@@ -84,7 +84,8 @@ def test_every_result_file_renders_into_an_included_table(tmp_path):
   pages = "".join(p.read_text() for p in DOCS.glob("*.md"))
   for path in written:
     assert f"```{{include}} _generated/{path.name}\n" in pages, path.name
-    assert f"--output_dir=docs/results/{path.stem}" in pages, f"no command for {path.stem}"
+    assert (f"--output_dir=docs/results/{path.stem}" in pages
+            or f"--cost-report=docs/results/{path.stem}/" in pages), f"no command for {path.stem}"
     assert "\n|---|" in path.read_text(), f"{path.name}: no table"
 
 
@@ -93,7 +94,9 @@ def _command_for(folder: str) -> str:
   pages = "".join(p.read_text() for p in DOCS.glob("*.md"))
   for block in re.findall(r"```bash\n(.*?)```", pages, flags=re.S):
     command = block.replace("\\\n", " ")
-    if f"--output_dir=docs/results/{folder}" in command.split():
+    words = command.split()
+    if f"--output_dir=docs/results/{folder}" in words or any(
+        w.startswith(f"--cost-report=docs/results/{folder}/") for w in words):
       return command
   raise AssertionError(f"no command writes docs/results/{folder}")
 

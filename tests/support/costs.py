@@ -24,6 +24,7 @@ import pathlib
 import time
 
 import jax
+import pytest
 
 _EVENTS = {
     "/jax/core/compile/jaxpr_trace_duration": "trace_s",
@@ -96,6 +97,36 @@ def distinct_programs() -> int | None:
   if not folder or not os.path.isdir(folder):
     return None
   return sum(1 for name in os.listdir(folder) if name.endswith("-cache"))
+
+
+def _whole_suite(config) -> bool:
+  """Whether this session ran the default suite: every test file, no selection, the CI
+  grid and seeds."""
+  option = config.option
+  return (not config.args or [str(a) for a in config.args] == ["tests"]) and not (
+      option.keyword or option.markexpr or getattr(option, "deselect", None)
+      or getattr(option, "lf", False) or getattr(option, "last_failed", False)
+      or config.getoption("--full") or config.getoption("--seeds") != 1
+      or getattr(option, "exitfirst", False) or getattr(option, "maxfail", 0))
+
+
+def check_budget(session, own_cache: bool) -> None:
+  """Fails a whole-suite run (controller only) whose distinct compiled programs exceed
+  ``tests/compile_budget.json``: the count is that of the session's own compilation cache,
+  the same on every machine and however the tests are dealt to the workers. Raise the
+  budget on purpose, in the commit that adds the cases."""
+  config = session.config
+  if hasattr(config, "workerinput") or not own_cache or not _whole_suite(config):
+    return
+  count, budget = distinct_programs(), json.loads(BUDGET.read_text())["distinct_programs"]
+  reporter = config.pluginmanager.get_plugin("terminalreporter")
+  line = f"compilation budget: {count} distinct programs compiled, budget {budget}"
+  if count is not None and count > budget:
+    line += (f" -- {count - budget} over: compile less (share programs, deal cases), or "
+             "raise the budget in tests/compile_budget.json in the commit that adds them")
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
+  if reporter is not None:
+    reporter.write_line(line, red=count is not None and count > budget)
 
 
 def pytest_sessionfinish(session, exitstatus):
