@@ -12,13 +12,16 @@ run with e.g. ``XLA_FLAGS=`` (empty) set.
 
 The session's workers, and the processes they start, share one XLA compilation
 cache (a temporary folder the first process makes and removes at the end),
-which keeps every program: many tests compile the same
-programs (a call made eagerly and under ``jax.jit`` lowers to one module, and
-the cases of a parametrized test are spread over the workers), and each is then
-compiled once. JAX reports a program the cache returns as a compilation (its
-``backend_compile_duration`` event spans the lookup), so ``CompileCounter``
-still counts every compilation the in-memory caches miss. Set
-``JAX_COMPILATION_CACHE_DIR`` to use another folder (kept).
+which keeps the programs that took 0.1 s or more to compile: the cases of a
+parametrized test are spread over the workers, and the training runs and
+notebooks compile the same programs again. JAX reports a program the cache
+returns as a compilation (its ``backend_compile_duration`` event spans the
+lookup), so ``CompileCounter`` still counts every compilation the in-memory
+caches miss. Set ``JAX_COMPILATION_CACHE_DIR`` to use another folder (kept),
+``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS`` to keep other programs.
+
+The cache's keys also count the session's distinct programs, which a whole-suite
+run checks against ``tests/compile_budget.json`` (``support/costs.py``).
 
 Float32 matrix products run at full precision: the parity tolerances are
 float32's. (GPUs otherwise multiply float32 in TF32, with 10-bit mantissas.)
@@ -70,12 +73,16 @@ if "JAX_DEFAULT_MATMUL_PRECISION" not in os.environ:
 _OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
 if _OWN_CACHE:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="linattn-jax-xla-cache-")
-# Every program, however quick to compile; the subprocesses the tests start (training
-# runs, notebook kernels) read the same settings from the environment.
-os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+# The programs that took 0.1 s or more to compile: writing an entry costs 10-17 ms (measured
+# on tests/ops/test_heinsen.py and test_linear.py, one process: 7-22% of their compile
+# time), more than the quick programs that a second process compiles again would save. The
+# subprocesses the tests start (training runs, notebook kernels) read the same settings from
+# the environment.
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
 os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                  float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_numpy_rank_promotion", "raise")
@@ -88,7 +95,8 @@ import toy_gated  # noqa: E402
 
 toy_gated.register()
 
-# Each test's seconds and compilations (support/costs.py; ``--cost-report=PATH``).
+# Each test's seconds and compilations (support/costs.py; ``--cost-report=PATH``), and the
+# budget of distinct programs a whole-suite run may compile.
 pytest_plugins = ("costs",)
 
 
@@ -110,7 +118,7 @@ def pytest_addoption(parser):
 def pytest_sessionfinish(session, exitstatus):
   del exitstatus
   import costs
-  costs.check_budget(session, _OWN_CACHE)
+  costs.check_budget(session)
 
 
 def pytest_unconfigure(config):
@@ -121,7 +129,9 @@ def pytest_unconfigure(config):
 def pytest_configure(config):
   # The parity test's grid is chosen at collection, when its module is imported.
   import _helpers
+  import costs
   _helpers.FULL_GRID = config.getoption("--full")
+  costs.OWN_CACHE = _OWN_CACHE
 
 
 @pytest.fixture(autouse=True)

@@ -8,11 +8,12 @@ per-file totals, and the slowest tests, to ``PATH`` as JSON (each xdist worker
 writes its part, the controller joins them); ``docs/render_results.py``
 renders ``docs/results/test_costs/test_costs.json`` on the Testing page.
 
-The number of distinct programs the session compiled (the entries of its
-compilation cache, shared by every worker and subprocess) does not depend on
-how the tests are dealt to the workers, nor on the machine: ``--cost-report``
-records it, and ``tests/compile_budget.json`` bounds it (checked at the end of
-a whole-suite run; see :func:`check_budget`).
+The number of distinct programs the session's test processes compiled (the
+union of their compilation-cache keys) does not depend on how the tests are
+dealt to the workers, nor on the machine: ``--cost-report`` records it, and
+``tests/compile_budget.json`` bounds it (checked at the end of a whole-suite
+run; see :func:`check_budget`). The training runs and notebook kernels the
+tests start are not in it.
 """
 
 from __future__ import annotations
@@ -56,6 +57,33 @@ class _Meter:
 
 _meter: _Meter | None = None
 _records: dict[str, collections.Counter] = {}
+_keys: set[str] = set()  # The persistent-cache keys of this process's compilations.
+
+
+def _record_cache_keys() -> bool:
+  """Notes the compilation-cache key of every program this process compiles or reads.
+
+  A key hashes the program (without source locations), its compile options and the
+  backend, so the union over the workers is the session's distinct programs, whichever
+  worker compiled which, whether or not the cache kept an entry. JAX logs each key on a
+  cache hit or miss (``jax._src.compiler``); both log functions are wrapped here. Returns
+  False where this JAX has neither (the count is then unknown).
+  """
+  from jax._src import compiler
+  names = ("log_persistent_cache_hit", "log_persistent_cache_miss")
+  if not all(hasattr(compiler, name) for name in names):
+    return False
+  for name in names:
+    original = getattr(compiler, name)
+
+    def noting(module_name, cache_key, original=original):
+      _keys.add(cache_key)
+      return original(module_name, cache_key)
+    setattr(compiler, name, noting)
+  return True
+
+
+_KEYED = False
 
 
 def pytest_addoption(parser):
@@ -66,8 +94,9 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
-  global _meter
+  global _meter, _KEYED
   _meter = _Meter()
+  _KEYED = _record_cache_keys()
 
 
 _start = 0.0
@@ -91,12 +120,32 @@ def _part_path(config, worker: str) -> pathlib.Path:
   return pathlib.Path(config.getoption("--cost-report") + f".{worker}.part")
 
 
-def distinct_programs() -> int | None:
-  """Entries of the session's compilation cache: the programs it compiled, counted once."""
+def _keys_path(worker: str) -> pathlib.Path | None:
   folder = os.environ.get("JAX_COMPILATION_CACHE_DIR")
-  if not folder or not os.path.isdir(folder):
+  return pathlib.Path(folder) / f"linattn-keys-{worker}.json" if folder else None
+
+
+def _write_keys(config) -> None:
+  """A worker's keys, beside the cache, for the controller's count."""
+  worker = getattr(config, "workerinput", {}).get("workerid", "main")
+  path = _keys_path(worker)
+  if path is not None and _KEYED:
+    path.write_text(json.dumps(sorted(_keys)))
+
+
+OWN_CACHE = False  # Set by conftest.py: whether the session made its cache folder.
+
+
+def distinct_programs() -> int | None:
+  """The session's distinct programs: the union of its processes' cache keys (unknown in
+  a cache folder kept from other sessions)."""
+  folder = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+  if not (_KEYED and OWN_CACHE) or not folder or not os.path.isdir(folder):
     return None
-  return sum(1 for name in os.listdir(folder) if name.endswith("-cache"))
+  keys = set(_keys)
+  for path in pathlib.Path(folder).glob("linattn-keys-*.json"):
+    keys.update(json.loads(path.read_text()))
+  return len(keys)
 
 
 def _whole_suite(config) -> bool:
@@ -110,13 +159,13 @@ def _whole_suite(config) -> bool:
       or getattr(option, "exitfirst", False) or getattr(option, "maxfail", 0))
 
 
-def check_budget(session, own_cache: bool) -> None:
+def check_budget(session) -> None:
   """Fails a whole-suite run (controller only) whose distinct compiled programs exceed
   ``tests/compile_budget.json``: the count is that of the session's own compilation cache,
   the same on every machine and however the tests are dealt to the workers. Raise the
   budget on purpose, in the commit that adds the cases."""
   config = session.config
-  if hasattr(config, "workerinput") or not own_cache or not _whole_suite(config):
+  if hasattr(config, "workerinput") or not OWN_CACHE or not _whole_suite(config):
     return
   count, budget = distinct_programs(), json.loads(BUDGET.read_text())["distinct_programs"]
   reporter = config.pluginmanager.get_plugin("terminalreporter")
@@ -132,6 +181,8 @@ def check_budget(session, own_cache: bool) -> None:
 def pytest_sessionfinish(session, exitstatus):
   del exitstatus
   config = session.config
+  if hasattr(config, "workerinput"):
+    _write_keys(config)
   if config.getoption("--cost-report") is None:
     return
   worker = getattr(config, "workerinput", {}).get("workerid")
