@@ -60,16 +60,18 @@ def _layer(name: str, options: dict, heads: int = N, kv_heads: int = K,
                                attention_options=options, rngs=nnx.Rngs(0))
 
 
-def _decode_pieces(layer, x, pieces, mask=None) -> jax.Array:
-  """Decodes ``x [B, L, in]`` piece by piece from an empty cache of capacity C."""
+def _decode_pieces(layer, x, pieces, mask=None) -> np.ndarray:
+  """Decodes ``x [B, L, in]`` piece by piece from an empty cache of capacity C (sliced and
+  joined in numpy, which compiles nothing)."""
   step = nnx.jit(lambda m, x, mask: m(x, decode=True, mask=mask))  # A new program each time.
   layer.init_cache((B, C, IN))
   bounds = np.cumsum((0,) + tuple(pieces))
+  x, mask = np.asarray(x), None if mask is None else np.asarray(mask)
   outs = []
   for a, b in zip(bounds[:-1], bounds[1:], strict=True):
-    rows = None if mask is None else jnp.asarray(mask[:, :, a:b])  # [B|1, N|1, T, C]
-    outs.append(step(layer, x[:, a:b], rows))
-  return jnp.concatenate(outs, 1)
+    rows = None if mask is None else mask[:, :, a:b]  # [B|1, N|1, T, C]
+    outs.append(np.asarray(step(layer, x[:, a:b], rows)))
+  return np.concatenate(outs, 1)
 
 
 def _dense_row_decode(monkeypatch, layer, x, pieces, mask=None) -> jax.Array:
@@ -101,8 +103,9 @@ def test_sparse_decode_with_a_mask_equals_the_dense_rows(case, monkeypatch):
   x = jax.random.normal(jax.random.key(2), (B, L, IN))
   mask = jax.random.bernoulli(jax.random.key(3), 0.8, (B, 1, L, C))  # [B, N|1, T, C]
   pieces = (9, 1, 7, 1)
-  got = _decode_pieces(layer, x[:, :18], pieces, mask)
-  chex.assert_trees_all_close(got, _dense_row_decode(monkeypatch, layer, x[:, :18], pieces, mask),
+  x = np.asarray(x)[:, :18]
+  got = _decode_pieces(layer, x, pieces, mask)
+  chex.assert_trees_all_close(got, _dense_row_decode(monkeypatch, layer, x, pieces, mask),
                               atol=2e-5, rtol=2e-5)
 
 
@@ -120,21 +123,24 @@ def test_sparse_decode_past_the_dense_pattern_cap():
   """A cache beyond MAX_PATTERN_CAPACITY decodes (strided and longformer), exactly."""
   steps, capacity = (1, 3, 1), nn_cache.MAX_PATTERN_CAPACITY + 64
   P = capacity - sum(steps) - 3  # Decode the last positions but three.
+  head_major = lambda y: jnp.pad(y.swapaxes(1, 2), ((0, 0), (0, 0), (0, capacity - P), (0, 0)))  # noqa: E731
   for name, options in (("strided", {"stride": 64, "window_size": (32, 0)}),
                         ("longformer", {"window_size": (32, 0), "global_positions": (0, 5000)})):
     layer = _layer(name, options, heads=2, kv_heads=1, features=4)  # H = 2.
     x = jax.random.normal(jax.random.key(4), (1, P + sum(steps), 4))
-    want = nnx.jit(lambda m, x: m(x, is_causal=True))(layer, x)[:, P:]
+    # The full call, and the cache after decoding x[:, :P]: its keys and values, head-major
+    # [B, K, C, H] (one compiled program).
+    want, key, value = nnx.jit(lambda m, x: (
+        m(x, is_causal=True)[:, P:], head_major(m.key(x[:, :P])), head_major(m.value(x[:, :P]))))(
+            layer, x)
     layer.init_cache((1, capacity, 4))
-    # The cache after decoding x[:, :P]: its keys and values, head-major [B, K, C, H].
-    head_major = lambda y: jnp.pad(y.swapaxes(1, 2), ((0, 0), (0, 0), (0, capacity - P), (0, 0)))  # noqa: E731
     layer.cache.set_value(layer.cache.get_value()._replace(
-        key=head_major(layer.key(x[:, :P])), value=head_major(layer.value(x[:, :P])),
-        index=jnp.asarray(P, jnp.int32)))
+        key=key, value=value, index=jnp.asarray(P, jnp.int32)))
     step = nnx.jit(lambda m, x: m(x, decode=True))
     bounds = P + np.cumsum((0,) + steps)
     pieces = zip(bounds[:-1], bounds[1:], strict=True)
-    got = jnp.concatenate([step(layer, x[:, a:b]) for a, b in pieces], 1)
+    x = np.asarray(x)
+    got = np.concatenate([np.asarray(step(layer, x[:, a:b])) for a, b in pieces], 1)
     chex.assert_trees_all_close(got, want, atol=2e-5, rtol=2e-5)
 
 

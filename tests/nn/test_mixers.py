@@ -4,6 +4,7 @@ causal pass; the parameter tables name every parameter; every keyword is honoure
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import re
@@ -12,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _helpers import TOLERANCE
+from _helpers import TOLERANCE, covering_grid
 from flax import nnx
 
 import linattn_jax as la
@@ -183,6 +184,13 @@ def _build(case: str, dtype=None) -> nnx.Module:
   return nn.RecurrentMixer(name, F, rngs=nnx.Rngs(0), **kw)
 
 
+@functools.cache
+def _built(case: str, dtype=None) -> nnx.Module:
+  """``_build(case, dtype)`` as one compiled program (eagerly, each initialiser compiles on
+  its own), built once per session: tests that change it take a ``nnx.clone``."""
+  return nnx.jit(lambda: _build(case, dtype))()
+
+
 def _v_first(m, x):
   """The first layer's values for a later RWKV-7 layer (any [B, L, F] array will do)."""
   return None if getattr(m, "v_lora", None) is None else jnp.tanh(x[..., ::-1]).astype(x.dtype)
@@ -204,9 +212,9 @@ def _reference(m, x):
 
 @pytest.mark.parametrize("case", sorted(CONFIGS))
 def test_mixer_equals_its_reference_layer_eagerly_and_under_jit(case):
-  m = _build(case)
+  m = _built(case)
   x = jax.random.normal(jax.random.key(1), (B, T, F))
-  want = _reference(m, x)
+  want = nnx.jit(_reference)(m, x)  # The formulas, compiled: the layer runs eagerly below.
   jitted = nnx.jit(_call)(m, x)
   eager = _call(m, x)
   # bfloat16 parameters: the oracle reads them in float32, the layer computes in float32
@@ -230,13 +238,25 @@ def _full_pieces_and_alone(m, x, ids):
   return full, pieces, alone
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("case", ["gated_deltanet", "gated_deltaproduct", "kda", "gla",
-                                  "simple_gla", "retnet", "deltanet", "rwkv7"])
+# Each mixer in one dtype, the dtypes dealt over the mixers (both on every mixer with --full):
+# each mixer's decode and packed rows, and each dtype's casts, are checked.
+DECODE_MIXERS = ("gated_deltanet", "gated_deltaproduct", "kda", "gla", "simple_gla", "retnet",
+                 "deltanet", "rwkv7")
+DECODE_CASES = covering_grid([jnp.float32, jnp.bfloat16], DECODE_MIXERS)
+
+
+def test_the_decode_cases_cover_every_mixer_and_both_dtypes():
+  assert {case for _, case in DECODE_CASES} == set(DECODE_MIXERS)
+  assert {dtype for dtype, _ in DECODE_CASES} == {jnp.float32, jnp.bfloat16}
+
+
+@pytest.mark.parametrize("dtype, case", [
+    pytest.param(dtype, case, id=f"{case}-{jnp.dtype(dtype).name}")
+    for dtype, case in DECODE_CASES])
 def test_prefill_then_steps_and_packed_rows_equal_the_full_pass(case, dtype):
   """Decoding a prompt, steps and a chunk (a document starting inside the chunk) equals
   the packed causal pass, whose second document equals that document alone."""
-  m = _build(case, dtype)
+  m = nnx.clone(_built(case, dtype))
   x = jax.random.normal(jax.random.key(2), (B, T, F)).astype(dtype)
   m.init_cache(x.shape)
   full, pieces, alone = _full_pieces_and_alone(m, x, jnp.asarray(IDS))
@@ -270,7 +290,7 @@ def _shape(text: str, sizes: dict[str, int]) -> tuple[int, ...]:
 
 @pytest.mark.parametrize("case", sorted(CONFIGS))
 def test_parameter_tables_name_every_parameter_with_its_shape(case):
-  m = _build(case)
+  m = _built(case)
   params = {".".join(map(str, path)): x.shape
             for path, x in nnx.to_flat_state(nnx.state(m, nnx.Param))}
   if isinstance(m, nn.RWKV7TimeMixer):
@@ -304,6 +324,40 @@ def test_every_constructor_keyword_has_a_non_default_value_above():
 
 # --- the parts ---------------------------------------------------------------------------
 
+@functools.cache
+def _parts():
+  """The parts the formulas test judges, built once (one compiled program)."""
+  def build():
+    convs = [nn.ShortConvolution(6, 3, activation=a, use_bias=True, rngs=nnx.Rngs(1))
+             for a in _ACTIVATIONS]
+    bf16 = nn.ShortConvolution(6, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
+                               rngs=nnx.Rngs(1))
+    plain = nn.GatedRMSNorm(6, activation=None, use_scale=False, epsilon=0.5, rngs=nnx.Rngs(0))
+    gated = nn.GatedRMSNorm(6, activation="sigmoid", dtype=jnp.bfloat16,
+                            param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    low = nn.LowRank(6, 2, 5, activation="tanh", use_bias=False, dtype=jnp.float32,
+                     param_dtype=jnp.float32, precision="highest",
+                     down_init=_NORMAL, up_init=_NORMAL, bias_init=_NORMAL, rngs=nnx.Rngs(0))
+    return convs, bf16, plain, gated, low
+  return nnx.jit(build)()
+
+
+_ACTIVATIONS = (None, "silu", "swish", "sigmoid", "tanh")
+
+
+@nnx.jit
+def _formulas(convs, low, x, g):
+  """What each part should give, from its formula (one compiled program)."""
+  wants = []
+  for activation, conv in zip(_ACTIVATIONS, convs, strict=True):
+    y = _conv(x, conv.kernel.get_value(), conv.bias.get_value(), None)
+    wants.append({None: y, "silu": jax.nn.silu(y), "swish": jax.nn.silu(y),
+                  "sigmoid": jax.nn.sigmoid(y), "tanh": jnp.tanh(y)}[activation])
+  return (wants, _rms(x, 1.0, 0.5), _rms(x, 1.0, 1e-5) * jax.nn.sigmoid(g),
+          jnp.tanh(x @ low.down.kernel.get_value()) @ low.up.kernel.get_value(),
+          jnp.pad(x, ((0, 0), (1, 0), (0, 0)))[:, :-1])
+
+
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_parts_equal_their_formulas(jit):
   """ShortConvolution (every activation, with a bias), GatedRMSNorm (no gate, no scale,
@@ -311,30 +365,18 @@ def test_parts_equal_their_formulas(jit):
   x = jax.random.normal(jax.random.key(3), (B, T, 6))
   g = jax.random.normal(jax.random.key(4), (B, T, 6))
   run = nnx.jit(lambda m, *a: m(*a)) if jit else (lambda m, *a: m(*a))
-  for activation in (None, "silu", "swish", "sigmoid", "tanh"):
-    conv = nn.ShortConvolution(6, 3, activation=activation, use_bias=True, rngs=nnx.Rngs(1))
-    y = _conv(x, conv.kernel.get_value(), conv.bias.get_value(), None)
-    want = {None: y, "silu": jax.nn.silu(y), "swish": jax.nn.silu(y),
-            "sigmoid": jax.nn.sigmoid(y), "tanh": jnp.tanh(y)}[activation]
+  convs, bf16, plain, gated, low = _parts()
+  conv_wants, plain_want, gated_want, low_want, shift_want = _formulas(convs, low, x, g)
+  for activation, conv, want in zip(_ACTIVATIONS, convs, conv_wants, strict=True):
     np.testing.assert_allclose(run(conv, x), want, atol=1e-5, err_msg=str(activation))
-  bf16 = nn.ShortConvolution(6, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(1))
   assert run(bf16, x).dtype == jnp.bfloat16
-  plain = nn.GatedRMSNorm(6, activation=None, use_scale=False, epsilon=0.5, rngs=nnx.Rngs(0))
-  np.testing.assert_allclose(run(plain, x), _rms(x, 1.0, 0.5), atol=1e-6)
-  gated = nn.GatedRMSNorm(6, activation="sigmoid", dtype=jnp.bfloat16,
-                          param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  np.testing.assert_allclose(run(plain, x), plain_want, atol=1e-6)
   out = run(gated, x, g)
   assert out.dtype == jnp.bfloat16
-  np.testing.assert_allclose(np.asarray(out, np.float32), _rms(x, 1.0, 1e-5) * jax.nn.sigmoid(g),
-                             atol=3e-2, rtol=3e-2)
-  low = nn.LowRank(6, 2, 5, activation="tanh", use_bias=False, dtype=jnp.float32,
-                   param_dtype=jnp.float32, precision="highest",
-                   down_init=_NORMAL, up_init=_NORMAL, bias_init=_NORMAL, rngs=nnx.Rngs(0))
-  np.testing.assert_allclose(
-      run(low, x), jnp.tanh(x @ low.down.kernel.get_value()) @ low.up.kernel.get_value(),
-      atol=1e-5)
+  np.testing.assert_allclose(np.asarray(out, np.float32), gated_want, atol=3e-2, rtol=3e-2)
+  np.testing.assert_allclose(run(low, x), low_want, atol=1e-5)
   shift = nn.TokenShift(6)
-  np.testing.assert_allclose(run(shift, x), jnp.pad(x, ((0, 0), (1, 0), (0, 0)))[:, :-1])
+  np.testing.assert_allclose(run(shift, x), shift_want)
 
 
 def test_mixers_by_name_and_errors():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import _helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -153,11 +154,35 @@ def _full_and_pieces(layer, x):
                                 for a, b in zip(bounds[:-1], bounds[1:], strict=True)], 1)
 
 
-# Every variant decodes in bfloat16 here; in float32 through the layer's paths here, and
-# every variant with segment ids in test_nn_packing.py (one program: prompt, steps, chunks).
+def _prefill_cases() -> list[tuple[str, object]]:
+  """Every variant decodes here, in float32 through the layer's paths (the first variant of
+  each) and in bfloat16 otherwise; a path no other variant takes runs in both. Every path
+  decodes in both dtypes, every variant in one (with ``--full``: every variant in bfloat16
+  and each path in float32 too)."""
+  paths = layer_paths(CAUSAL)
+  if _helpers.FULL_GRID:  # Set at configuration, before collection.
+    return [(name, jnp.bfloat16) for name in CAUSAL] + [(name, jnp.float32) for name in paths]
+  shared = {name for name in paths  # Another variant takes this path (in bfloat16).
+            if any(layer_paths([name, other]) == [name] for other in CAUSAL if other != name)}
+  return [(name, dtype) for name in CAUSAL
+          for dtype in ((jnp.float32,) if name in shared else (jnp.bfloat16, jnp.float32))
+          if name in paths or dtype == jnp.bfloat16]
+
+
+# In float32 every variant decodes with segment ids in test_nn_packing.py too (one program:
+# prompt, steps, chunks).
+def test_the_prefill_cases_decode_every_variant_and_every_path_in_both_dtypes():
+  """The dealing cannot shrink: every variant in a dtype, every layer path in both."""
+  cases = _prefill_cases()
+  assert {name for name, _ in cases} == set(CAUSAL)
+  for path in layer_paths(CAUSAL):
+    same = {n for n in CAUSAL if layer_paths([path, n]) == [path]}
+    assert {d for n, d in cases if n in same} == {jnp.float32, jnp.bfloat16}, path
+
+
 @pytest.mark.parametrize("name, dtype", [
-    *[pytest.param(name, jnp.bfloat16, id=f"{name}-bf16") for name in CAUSAL],
-    *[pytest.param(name, jnp.float32, id=f"{name}-f32") for name in layer_paths(CAUSAL)]])
+    pytest.param(name, dtype, id=f"{name}-{'f32' if dtype == jnp.float32 else 'bf16'}")
+    for name, dtype in _prefill_cases()])
 def test_prefill_then_steps_equals_one_causal_call(name, dtype):
   """A prompt, single tokens, a later chunk: together one causal call over the sequence."""
   layer = _layer(name, dtype)
@@ -203,9 +228,10 @@ def test_same_parameters_and_outputs_as_flax_multi_head_attention():
   assert shapes(ours) == shapes(theirs)
   nnx.update(ours, nnx.state(theirs, nnx.Param))
   x = jax.random.normal(jax.random.key(2), (B, T, IN))
-  for causal in (False, True):
-    np.testing.assert_allclose(ours(x, is_causal=causal), theirs(x, is_causal=causal),
-                               atol=2e-6, rtol=2e-6)
+  outputs = nnx.jit(lambda ours, theirs, x: [  # One compiled program.
+      (ours(x, is_causal=c), theirs(x, is_causal=c)) for c in (False, True)])(ours, theirs, x)
+  for causal, (got, want) in zip((False, True), outputs, strict=True):
+    np.testing.assert_allclose(got, want, atol=2e-6, rtol=2e-6, err_msg=f"causal={causal}")
 
 
 def test_flax_attention_fn_adapter():
@@ -240,15 +266,22 @@ def test_linen_bridge():
 
   x = jax.random.normal(jax.random.key(4), (B, T, IN))
   model = Block()
-  variables = model.init(jax.random.key(0), x)
-  out = model.apply(variables, x)
-  layer = nn.MultiHeadAttention(N, IN, attention="linear_elu", rngs=nnx.Rngs(5))
+  variables = jax.jit(model.init)(jax.random.key(0), x)  # Compiled programs, not op by op.
+
+  @jax.jit
+  def run(variables, x):
+    """The model's output and gradient, and the LayerNorm's output (one program)."""
+    norm = linen.LayerNorm().apply({"params": variables["params"]["LayerNorm_0"]}, x)
+    grads = jax.grad(lambda v: model.apply(v, x).sum())(variables)
+    return model.apply(variables, x), norm, grads
+
+  out, norm, grads = run(variables, x)
+  layer = nnx.jit(lambda: nn.MultiHeadAttention(N, IN, attention="linear_elu",
+                                                rngs=nnx.Rngs(5)))()
   params = variables["params"]["ToLinen_0"]
   nnx.update(layer, nnx.State({k: {kk: nnx.Param(vv) for kk, vv in v.items()}
                                for k, v in params.items()}))
-  norm = linen.LayerNorm().apply({"params": variables["params"]["LayerNorm_0"]}, x)
-  np.testing.assert_allclose(out, x + layer(norm, is_causal=True), atol=2e-6, rtol=2e-6)
-  grads = jax.grad(lambda v: model.apply(v, x).sum())(variables)
+  np.testing.assert_allclose(out, x + _full(layer, norm), atol=2e-6, rtol=2e-6)
   assert np.all(np.isfinite(jax.tree.leaves(grads)[0]))
 
 
@@ -262,7 +295,7 @@ def test_jit_grad_scan_over_layers_and_mixed_precision():
                                  dtype=jnp.bfloat16, param_dtype=jnp.float32,
                                  rngs=nnx.Rngs(key))
 
-  stack = make(jax.random.split(jax.random.key(0), depth))
+  stack = nnx.jit(make)(jax.random.split(jax.random.key(0), depth))  # One program.
 
   @nnx.jit
   def loss(stack, x):
@@ -278,13 +311,18 @@ def test_jit_grad_scan_over_layers_and_mixed_precision():
   assert grads["feature_weight"].get_value().shape == (depth, IN // N, IN // N)
   assert grads["feature_weight"].get_value().dtype == jnp.float32
   assert np.abs(grads["feature_weight"].get_value()).sum() > 0  # The map is trained.
-  # The same loss layer by layer, without transforms.
+  # The same loss layer by layer, without nnx transforms (one compiled program).
   graphdef, state = nnx.split(stack)
-  h = x
-  for i in range(depth):
-    layer = nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state))
-    h = h + layer(h, is_causal=True)
-  np.testing.assert_allclose(value, jnp.mean(h.astype(jnp.float32) ** 2), rtol=2e-2)
+
+  @jax.jit
+  def layer_by_layer(state, x):
+    h = x
+    for i in range(depth):
+      layer = nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state))
+      h = h + layer(h, is_causal=True)
+    return jnp.mean(h.astype(jnp.float32) ** 2)
+
+  np.testing.assert_allclose(value, layer_by_layer(state, x), rtol=2e-2)
 
 
 def test_projection_is_data_redraw_is_pure_and_never_trained():
@@ -293,7 +331,7 @@ def test_projection_is_data_redraw_is_pure_and_never_trained():
   assert isinstance(layer.projection, nn.FeatureProjection)
   assert "projection" in nnx.state(layer, nn.FeatureProjection)
   assert "projection" not in nnx.state(layer, nnx.Param)  # Not a parameter.
-  grads = nnx.grad(lambda m, x: m(x, is_causal=True).sum())(layer, jnp.ones((1, 4, IN)))
+  grads = nnx.jit(nnx.grad(lambda m, x: m(x, is_causal=True).sum()))(layer, jnp.ones((1, 4, IN)))
   assert "projection" not in grads
   x = jax.random.normal(jax.random.key(7), (1, 6, IN))
   first = _full(layer, x)
@@ -363,7 +401,7 @@ def test_layer_decode_matches_the_function_step():
   x = jax.random.normal(jax.random.key(8), (B, 6, IN))
   layer.init_cache(x.shape)
   _decode(layer, x)
-  q, k, v = layer.query(x), layer.key(x), layer.value(x)
-  _, state = la.heinsen_attention(q, k, v, is_causal=True, return_state=True)
+  _, state = nnx.jit(lambda m, x: la.heinsen_attention(  # One compiled program.
+      m.query(x), m.key(x), m.value(x), is_causal=True, return_state=True))(layer, x)
   jax.tree.map(functools.partial(np.testing.assert_allclose, atol=1e-5, rtol=1e-5),
                layer.cache.get_value().state, state)

@@ -72,24 +72,31 @@ def test_a_packed_call_equals_each_document_alone(name):
   ids = jnp.asarray(IDS)
   docs = [(b, doc) for b in range(B) for doc in _documents(IDS[b])]
   longest = max(doc.stop - doc.start for _, doc in docs)
-  rows = jnp.stack([jnp.pad(x[b, doc], ((0, longest - (doc.stop - doc.start)), (0, 0)))
-                    for b, doc in docs])
-  lengths = jnp.asarray([doc.stop - doc.start for _, doc in docs], jnp.int32)
-  for causal in (True, False) if get_spec(name).full_softmax else (True,):
-    run = nnx.jit(lambda m, x, ids, rows, lengths, c=causal: (
-        m(x, is_causal=c, segment_ids=ids), m(rows, is_causal=c, key_value_seq_lengths=lengths)))
-    packed, alone = run(layer, x, ids, rows, lengths)
-    for i, (b, doc) in enumerate(docs):
-      np.testing.assert_allclose(packed[b, doc], alone[i, :doc.stop - doc.start],
-                                 err_msg=f"{name} causal={causal} row {b} {doc}",
+  rows = np.stack([np.pad(np.asarray(x)[b, doc], ((0, longest - (doc.stop - doc.start)), (0, 0)))
+                   for b, doc in docs])
+  lengths = np.asarray([doc.stop - doc.start for _, doc in docs], np.int32)
+  modes = (True, False) if get_spec(name).full_softmax else (True,)
+  doc = _documents(IDS[0])[1]
+
+  @nnx.jit
+  def run(m, x, ids, rows, lengths):
+    """Per mode the packed call and the documents alone; the gradient of a loss on one
+    document's outputs, packed and alone (one program)."""
+    calls = [(m(x, is_causal=c, segment_ids=ids), m(rows, is_causal=c,
+                                                    key_value_seq_lengths=lengths))
+             for c in modes]
+    grad = jax.grad(lambda x: jnp.sum(m(x, is_causal=True, segment_ids=ids)[0, doc] ** 2))(x)
+    want = jax.grad(lambda y: jnp.sum(m(y, is_causal=True) ** 2))(x[:1, doc])
+    return calls, grad, want
+
+  calls, grad, want = run(layer, x, ids, rows, lengths)
+  for causal, (packed, alone) in zip(modes, calls, strict=True):
+    for i, (b, doc_i) in enumerate(docs):
+      np.testing.assert_allclose(packed[b, doc_i], alone[i, :doc_i.stop - doc_i.start],
+                                 err_msg=f"{name} causal={causal} row {b} {doc_i}",
                                  **_tolerance(name))
   # The gradient of a loss on one document's outputs reaches no input of the others.
-  doc = _documents(IDS[0])[1]
-  grad = nnx.jit(lambda m, x: jax.grad(
-      lambda x: jnp.sum(m(x, is_causal=True, segment_ids=ids)[0, doc] ** 2))(x))(layer, x)
   assert np.all(np.asarray(grad[0, :doc.start]) == 0) and np.all(np.asarray(grad[1]) == 0)
-  want = nnx.jit(lambda m, y: jax.grad(lambda y: jnp.sum(m(y, is_causal=True) ** 2))(y))(
-      layer, x[:1, doc])
   np.testing.assert_allclose(grad[0, doc], want[0], atol=1e-4, rtol=1e-4)
 
 
@@ -100,36 +107,49 @@ def test_a_packed_pattern_is_its_pattern_cut_to_each_document(name):
   layer = _layer(name)
   x = jax.random.normal(jax.random.key(4), (B, T, IN))
   ids = jnp.asarray(IDS)
-  for causal in (True, False) if get_spec(name).supports_noncausal else (True,):
-    np.testing.assert_allclose(layer(x, is_causal=causal, segment_ids=ids),
-                               layer(x, is_causal=causal, mask=_same_segment(ids)),
-                               err_msg=f"{name} causal={causal}", **_tolerance(name))
+  modes = (True, False) if get_spec(name).supports_noncausal else (True,)
+  # Both calls in every mode, one compiled program (eagerly, each op would compile alone).
+  calls = nnx.jit(lambda m, x, ids: [
+      (m(x, is_causal=c, segment_ids=ids), m(x, is_causal=c, mask=_same_segment(ids)))
+      for c in modes])(layer, x, ids)
+  for causal, (packed, masked) in zip(modes, calls, strict=True):
+    np.testing.assert_allclose(packed, masked, err_msg=f"{name} causal={causal}",
+                               **_tolerance(name))
 
 
 def test_segment_ids_with_a_mask_and_lengths_are_all_honoured():
   """softmax: ids, a general mask and key lengths at once equal the mask of all three;
   flash (no mask) takes ids with lengths; the pair of ids serves cross-attention."""
   layer = _layer("softmax")
+  flash = _layer("flash")
+  nnx.update(flash, nnx.state(layer, nnx.Param))
   x = jax.random.normal(jax.random.key(1), (B, T, IN))
   ids, lengths = jnp.asarray(IDS), jnp.array([T, 7])
   mask = jax.random.bernoulli(jax.random.key(2), 0.7, (B, 1, T, T))
-  got = layer(x, mask=mask, key_value_seq_lengths=lengths, segment_ids=ids, is_causal=True)
-  want = layer(x, mask=mask & _same_segment(ids), key_value_seq_lengths=lengths, is_causal=True)
-  np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-6)
-  flash = _layer("flash")
-  nnx.update(flash, nnx.state(layer, nnx.Param))
-  np.testing.assert_allclose(
-      flash(x, key_value_seq_lengths=lengths, segment_ids=ids, is_causal=True),
-      layer(x, key_value_seq_lengths=lengths, segment_ids=ids, is_causal=True),
-      atol=2e-5, rtol=2e-5)
   # Cross-attention: 5 queries against the 11 keys, ids on both sides.
   q_ids = jnp.array([[0, 0, 1, 1, 1], [5, 6, 6, 9, 9]])
-  cross = layer(x[:, :5], x, segment_ids=(q_ids, ids))
-  pair_mask = (q_ids[:, :, None] == ids[:, None, :])[:, None]
-  np.testing.assert_allclose(cross, layer(x[:, :5], x, mask=pair_mask), atol=1e-6, rtol=1e-6)
-  # Leading batch dims: [2, 1, T] ids for [2, 1, T, in] inputs.
-  np.testing.assert_allclose(layer(x[:, None], is_causal=True, segment_ids=ids[:, None])[:, 0],
-                             layer(x, is_causal=True, segment_ids=ids), atol=1e-6, rtol=1e-6)
+
+  @nnx.jit
+  def run(layer, flash, x, ids, lengths, mask, q_ids):
+    """Each call below and the call it should equal (one compiled program)."""
+    pair_mask = (q_ids[:, :, None] == ids[:, None, :])[:, None]
+    return {
+        "ids, mask and lengths": (
+            layer(x, mask=mask, key_value_seq_lengths=lengths, segment_ids=ids, is_causal=True),
+            layer(x, mask=mask & _same_segment(ids), key_value_seq_lengths=lengths,
+                  is_causal=True)),
+        "flash": (flash(x, key_value_seq_lengths=lengths, segment_ids=ids, is_causal=True),
+                  layer(x, key_value_seq_lengths=lengths, segment_ids=ids, is_causal=True)),
+        "cross": (layer(x[:, :5], x, segment_ids=(q_ids, ids)),
+                  layer(x[:, :5], x, mask=pair_mask)),
+        # Leading batch dims: [2, 1, T] ids for [2, 1, T, in] inputs.
+        "batch dims": (layer(x[:, None], is_causal=True, segment_ids=ids[:, None])[:, 0],
+                       layer(x, is_causal=True, segment_ids=ids)),
+    }
+
+  for what, (got, want) in run(layer, flash, x, ids, lengths, mask, q_ids).items():
+    tolerance = 2e-5 if what == "flash" else 1e-6
+    np.testing.assert_allclose(got, want, atol=tolerance, rtol=tolerance, err_msg=what)
 
 
 # A prompt, a step, a chunk (positions 4..6), steps, a chunk: every path.
@@ -141,17 +161,30 @@ DECODE_IDS = np.array([[0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1],
 
 
 @nnx.jit
-def _decode_pieces(layer, x, ids):
-  """``x`` decoded in ``PIECES`` from a fresh cache, each piece with its ids."""
+def _full_and_pieces(layer, x, ids):
+  """The packed causal call over ``x`` (it reads no cache), and ``x`` decoded in ``PIECES``
+  from a fresh cache, each piece with its ids (one program)."""
   bounds = np.cumsum((0,) + PIECES)
-  return jnp.concatenate([layer(x[:, a:b], decode=True, segment_ids=ids[:, a:b])
-                          for a, b in zip(bounds[:-1], bounds[1:], strict=True)], 1)
+  return layer(x, is_causal=True, segment_ids=ids), jnp.concatenate(
+      [layer(x[:, a:b], decode=True, segment_ids=ids[:, a:b])
+       for a, b in zip(bounds[:-1], bounds[1:], strict=True)], 1)
 
 
 @nnx.jit
-def _decode_steps(layer, x):
-  """``x`` decoded one position at a time, without ids."""
-  return jnp.concatenate([layer(x[:, t:t + 1], decode=True) for t in range(x.shape[1])], 1)
+def _step(layer, x):
+  return layer(x, decode=True)
+
+
+def _decode_steps(layer, x) -> np.ndarray:
+  """``x`` decoded one position at a time, without ids (one compiled step, called per
+  position; sliced and joined in numpy, which compiles nothing)."""
+  x = np.asarray(x)
+  return np.concatenate([np.asarray(_step(layer, x[:, t:t + 1])) for t in range(x.shape[1])], 1)
+
+
+@nnx.jit
+def _decode_with_ids(layer, x, ids):
+  return layer(x, decode=True, segment_ids=ids)
 
 
 @pytest.mark.parametrize("name", DECODED)
@@ -164,10 +197,9 @@ def test_decoding_across_a_boundary_equals_a_fresh_decode_of_the_next_document(n
   layer = _layer(name)
   x = jax.random.normal(jax.random.key(3), (B, T, IN))
   layer.init_cache((B, T + 1, IN))
-  got = _decode_pieces(layer, x, jnp.asarray(DECODE_IDS))
+  full, got = _full_and_pieces(layer, x, jnp.asarray(DECODE_IDS))
+  got = np.asarray(got)
   tolerance = _tolerance(name)
-  full = nnx.jit(lambda m, x, ids: m(x, is_causal=True, segment_ids=ids))(
-      layer, x, jnp.asarray(DECODE_IDS))
   np.testing.assert_allclose(got, full, err_msg=name, **tolerance)
   assert np.array_equal(_last_ids(layer.cache.get_value()), DECODE_IDS[:, -1])
   if name not in layer_paths(DECODED):
@@ -175,21 +207,20 @@ def test_decoding_across_a_boundary_equals_a_fresh_decode_of_the_next_document(n
   if name not in PATTERNS:
     for row, start in ((0, 4), (1, 7)):
       layer.init_cache((1, T + 1, IN))
-      fresh = _decode_steps(layer, x[row:row + 1, start:])
+      fresh = _decode_steps(layer, np.asarray(x)[row:row + 1, start:])
       np.testing.assert_allclose(got[row:row + 1, start:], fresh, err_msg=f"{name} row {row}",
                                  **tolerance)
   # Positions without ids continue the last decoded one's document.
   layer.init_cache((B, T + 1, IN))
-  first = nnx.jit(lambda m, x, ids: m(x, decode=True, segment_ids=ids))(
-      layer, x[:, :8], jnp.asarray(DECODE_IDS[:, :8]))
-  rest = _decode_steps(layer, x[:, 8:])
-  np.testing.assert_allclose(jnp.concatenate([first, rest], 1), got, err_msg=name, **tolerance)
+  first = _decode_with_ids(layer, np.asarray(x)[:, :8], jnp.asarray(DECODE_IDS[:, :8]))
+  rest = _decode_steps(layer, np.asarray(x)[:, 8:])
+  np.testing.assert_allclose(np.concatenate([first, rest], 1), got, err_msg=name, **tolerance)
   assert np.array_equal(_last_ids(layer.cache.get_value()), DECODE_IDS[:, -1])
 
 
 def _last_ids(cache) -> np.ndarray:
   if isinstance(cache, nn.KVCache):
-    return np.asarray(cache.segment_ids[:, int(cache.index) - 1])
+    return np.asarray(cache.segment_ids)[:, int(cache.index) - 1]
   return np.asarray(cache.segment_id)
 
 
