@@ -182,11 +182,18 @@ def test_step_mode_rejects_variants_without_a_step():
 
 
 def test_decode_benchmark_runs_and_reports_cache_bytes(tmp_path):
-  result = _run_script(
-      "experiments.decode", "--attentions=softmax,local,linear_elu", "--positions=8,32",
-      "--heads=2", "--head_dim=4", "--steps=2", "--repeats=1", "--noplot",
-      f"--output_dir={tmp_path}")
-  assert result.returncode == 0, result.stderr[-2000:]
+  """Its ``main`` in-process, with the flags parsed as the command line would be (the command
+  line itself: the tests of ``--help`` and of a bad ``--attentions`` above)."""
+  from experiments import decode
+
+  flags.FLAGS.unparse_flags()
+  try:
+    argv = flags.FLAGS([
+        "decode", "--attentions=softmax,local,linear_elu", "--positions=8,32", "--heads=2",
+        "--head_dim=4", "--steps=2", "--repeats=1", "--noplot", f"--output_dir={tmp_path}"])
+    decode.main(argv)
+  finally:
+    flags.FLAGS.unparse_flags()
   records = json.loads((tmp_path / "decode.json").read_text())["records"]
   by = {(r["attention"], r["position"]): r for r in records}
   assert all(r["status"] == "ok" and r["step_s"] > 0 for r in records)

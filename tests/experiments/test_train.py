@@ -106,47 +106,69 @@ def _run(*flags_, env=None, wait=True):
                           stderr=subprocess.DEVNULL)
 
 
-def _assert_same_final_params(workdir: pathlib.Path, other: pathlib.Path) -> None:
+def _assert_same_final_params(workdir: pathlib.Path, other: pathlib.Path | dict) -> None:
+  """``other``: a workdir, or the parameters already loaded from one."""
   # Bit for bit on CPU; GPU reductions need not be deterministic run to run.
   same = np.testing.assert_array_equal if jax.default_backend() == "cpu" else functools.partial(
       np.testing.assert_allclose, rtol=1e-5, atol=1e-7)
-  jax.tree.map(same, train.load_final_params(str(workdir)), train.load_final_params(str(other)))
+  if isinstance(other, pathlib.Path):
+    other = train.load_final_params(str(other))
+  jax.tree.map(same, train.load_final_params(str(workdir)), other)
 
 
 def _logged_steps(workdir: pathlib.Path) -> list[int]:
   return [json.loads(line)["step"] for line in (workdir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_killed_and_stopped_runs_resume_to_the_same_parameters(tmp_path, monkeypatch):
+# An uninterrupted run that several tests compare with (one run per test worker): every step
+# logged, checkpoints at steps 2 and 4. The runs they compare with it differ from it in the
+# settings a resumed run may change only (train.RUNTIME_ONLY), so they compile its programs.
+WHOLE = dict(num_steps=4, checkpoint_every=2, log_every=1, eval_every=4, sample_length=0)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> pathlib.Path:
+  """The workdir of a finished run of ``WHOLE`` on the suite's 8 host devices (read only)."""
+  workdir = tmp_path_factory.mktemp("uninterrupted")
+  with jax.numpy_dtype_promotion("standard"):  # As the module's mark sets it for tests.
+    train.train(_config(workdir, **WHOLE))
+  return workdir
+
+
+def test_killed_and_stopped_runs_resume_to_the_same_parameters(tmp_path, monkeypatch,
+                                                                uninterrupted):
   """A run killed by SIGKILL (a subprocess) and one stopped by SIGTERM (in-process, during a
   known step) resume, here in-process, to the parameters of an uninterrupted run. All see
   the suite's 8 host devices and XLA flags."""
-  changes = dict(num_steps=40, checkpoint_every=10, log_every=5, eval_every=40, sample_length=0)
+  whole = train.load_final_params(str(uninterrupted))
+  # A checkpoint every step: the kill comes after the second, with steps, two saves, the
+  # evaluation and the plot still to run (most of that time is the saves and the plot).
+  changes = dict(WHOLE, checkpoint_every=1)
   flags_ = TINY_FLAGS + [f"--{k}={v}" for k, v in changes.items()]
   killed = tmp_path / "killed"
   process = _run(*flags_, f"--workdir={killed}", wait=False, env=_DEVICES_OF_THE_SUITE)
   deadline = time.time() + 240
-  while not (killed / "checkpoints" / "20").exists():  # Two checkpoints in, still running.
+  while not (killed / "checkpoints" / "2").exists():  # Two checkpoints in, still running.
     assert process.poll() is None and time.time() < deadline, "the run ended before the kill"
-    time.sleep(0.05)
+    time.sleep(0.02)
   process.send_signal(signal.SIGKILL)
   process.wait()
   assert not (killed / "summary.json").exists()
-  train.train(_config(tmp_path / "whole", **changes))
   resumed = io.StringIO()
   with contextlib.redirect_stdout(resumed):
     train.train(_config(killed, **changes))
   assert "resumed from the checkpoint at step" in resumed.getvalue()
-  _assert_same_final_params(killed, tmp_path / "whole")
+  _assert_same_final_params(killed, whole)
   assert _logged_steps(killed) == sorted(set(_logged_steps(killed)))  # None twice across the kill.
 
-  # Two SIGTERMs while step 26's batch is read: the first stops the run once that step is
-  # done and saved, the second reaches the handler from before (a second Ctrl-C interrupts).
+  # Two SIGTERMs while step 3's batch is read: the first stops the run once that step is
+  # done and saved (between the checkpoints at 2 and 4), the second reaches the handler from
+  # before (a second Ctrl-C interrupts).
   stopped, earlier = tmp_path / "stopped", []
   read_batch = train.Trainer.batch
 
   def batch(self, step, split):
-    if split == data.TRAIN and step == 25:
+    if split == data.TRAIN and step == 2:
       os.kill(os.getpid(), signal.SIGTERM)  # Handled before os.kill returns.
       os.kill(os.getpid(), signal.SIGTERM)
     return read_batch(self, step, split)
@@ -157,24 +179,24 @@ def test_killed_and_stopped_runs_resume_to_the_same_parameters(tmp_path, monkeyp
   try:
     with monkeypatch.context() as patch:
       patch.setattr(train.Trainer, "batch", batch)
-      with pytest.raises(train.TrainingStoppedError, match=r"^stopped by SIGTERM after step 26, "
+      with pytest.raises(train.TrainingStoppedError, match=r"^stopped by SIGTERM after step 3, "
                          r"which is saved; run the same command again to resume\.$") as e:
-        train.train(_config(stopped, **changes))
+        train.train(_config(stopped, **WHOLE))
     assert earlier == [signal.SIGTERM]
     assert signal.getsignal(signal.SIGTERM) is record  # Both handlers restored.
     assert signal.getsignal(signal.SIGINT) is interrupt
   finally:
     signal.signal(signal.SIGTERM, previous)
-  assert train.Checkpoints(stopped).manager.all_steps() == [20, 26]
+  assert train.Checkpoints(stopped).manager.all_steps() == [2, 3]
   assert not (stopped / "summary.json").exists()
   with pytest.raises(SystemExit) as status, train.exit_status():
     raise e.value
   assert status.value.code == 128 + signal.SIGTERM  # As if SIGTERM had killed it.
   resumed = io.StringIO()
   with contextlib.redirect_stdout(resumed):
-    train.train(_config(stopped, **changes))
-  assert "resumed from the checkpoint at step 26" in resumed.getvalue()
-  _assert_same_final_params(stopped, tmp_path / "whole")
+    train.train(_config(stopped, **WHOLE))
+  assert "resumed from the checkpoint at step 3" in resumed.getvalue()
+  _assert_same_final_params(stopped, whole)
   assert _logged_steps(stopped) == sorted(set(_logged_steps(stopped)))
 
 
@@ -189,11 +211,10 @@ def _truncate_every_file(directory: pathlib.Path) -> dict[pathlib.Path, int]:
   return sizes
 
 
-def test_a_damaged_checkpoint_is_moved_aside_and_an_older_one_resumed(tmp_path, caplog):
-  config = functools.partial(_config, num_steps=4, checkpoint_every=2, log_every=4,
-                             eval_every=4, sample_length=0)
-  whole, damaged = tmp_path / "whole", tmp_path / "damaged"
-  train.train(config(whole))  # Checkpoints at steps 2 and 4.
+def test_a_damaged_checkpoint_is_moved_aside_and_an_older_one_resumed(tmp_path, caplog,
+                                                                     uninterrupted):
+  config = functools.partial(_config, **WHOLE)
+  whole, damaged = uninterrupted, tmp_path / "damaged"  # Checkpoints at steps 2 and 4.
   shutil.copytree(whole, damaged)  # A run that got as far, whose step 4 is then damaged.
   sizes = _truncate_every_file(damaged / "checkpoints" / "4")
   with caplog.at_level(logging.WARNING):
@@ -222,8 +243,8 @@ def test_a_checkpoint_that_cannot_be_written_stops_the_run_in_one_line(tmp_path,
     return save(manager, step, *args, **kwargs)
 
   monkeypatch.setattr(train.ocp.CheckpointManager, "save", full_disk)
-  config = _config(tmp_path, num_steps=2, checkpoint_every=1, log_every=2, eval_every=2,
-                   sample_length=0)
+  # WHOLE's training settings (its programs), saving every step.
+  config = _config(tmp_path, **dict(WHOLE, checkpoint_every=1, log_every=2, eval_every=2))
   want = (f"could not write the checkpoint of step 2 in {tmp_path / 'checkpoints'} (ValueError: "
           "RESOURCE_EXHAUSTED: Failed to write 900372 bytes to file 17: No space left on device "
           "[os_error_code='28']); the newest one kept is step 1. Make room there and run the "
@@ -250,20 +271,26 @@ def test_a_diverging_run_stops_without_saving_non_finite_parameters(tmp_path):
   assert not (tmp_path / "summary.json").exists()
 
 
-def test_eight_devices_give_the_losses_of_one(tmp_path):
-  """The batch sharded over the suite's 8 host devices (in-process) gives the losses of one
-  device (a subprocess)."""
-  changes = dict(num_steps=4, batch_size=8, sample_length=0)
-  one = tmp_path / "1"
-  result = _run(*TINY_FLAGS, *[f"--{k}={v}" for k, v in changes.items()], f"--workdir={one}",
-                env={"XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} "
-                                  "--xla_force_host_platform_device_count=1"})
-  assert result.returncode == 0, result.stderr[-2000:]
-  assert "1 cpu device(s)" in result.stdout
-  train.train(_config(tmp_path / "8", **changes))
+def test_eight_devices_give_the_losses_of_one(tmp_path, monkeypatch, uninterrupted):
+  """The batch sharded over the suite's 8 host devices gives the losses of one device (the
+  loop's mesh on the first device alone; both in-process)."""
+  assert jax.local_device_count() == 8  # The uninterrupted run's mesh spans them.
+  meshes = []
+
+  def one_device(config):
+    meshes.append(jax.make_mesh((1, config.context_parallel), ("data", "context"),
+                                axis_types=(jax.sharding.AxisType.Auto,) * 2,
+                                devices=jax.devices()[:config.context_parallel]))
+    return meshes[-1]
+
+  with monkeypatch.context() as patch:
+    patch.setattr(train, "make_mesh", one_device)
+    train.train(_config(tmp_path / "1", **WHOLE))
+  assert meshes and all(mesh.devices.size == 1 for mesh in meshes)
   losses = [[json.loads(line)["train_loss"]
              for line in (out / "metrics.jsonl").read_text().splitlines()]
-            for out in (one, tmp_path / "8")]
+            for out in (tmp_path / "1", uninterrupted)]
+  assert len(losses[0]) == WHOLE["num_steps"]
   np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
 
 
@@ -336,10 +363,10 @@ def test_a_bad_flag_fails_the_run_with_one_line_and_writes_nothing(tmp_path):
 
 
 def test_a_workdir_of_another_configuration_is_left_alone(tmp_path):
-  train.train(_config(tmp_path, num_steps=2, sample_length=0))
+  train.train(_config(tmp_path, **dict(WHOLE, checkpoint_every=4)))  # WHOLE's programs.
   before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
   with pytest.raises(app.UsageError, match=r"holds a run with other settings \(model_dim"):
-    train.train(_config(tmp_path, num_steps=2, model_dim=32))
+    train.train(_config(tmp_path, **dict(WHOLE, model_dim=32)))
   assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
 
 
