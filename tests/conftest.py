@@ -12,13 +12,13 @@ run with e.g. ``XLA_FLAGS=`` (empty) set.
 
 The session's workers, and the processes they start, share one XLA compilation
 cache (a temporary folder the first process makes and removes at the end),
-which keeps the programs that took 0.1 s or more to compile: the cases of a
-parametrized test are spread over the workers, and the training runs and
-notebooks compile the same programs again. JAX reports a program the cache
+which keeps every program: the cases of a parametrized test are spread over
+the workers, and the training runs and notebooks compile the same programs
+again. JAX reports a program the cache
 returns as a compilation (its ``backend_compile_duration`` event spans the
 lookup), so ``CompileCounter`` still counts every compilation the in-memory
 caches miss. Set ``JAX_COMPILATION_CACHE_DIR`` to use another folder (kept),
-``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS`` to keep other programs.
+``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS`` to keep only slower programs.
 
 The cache's keys also count the session's distinct programs, which a whole-suite
 run checks against ``tests/compile_budget.json`` (``support/costs.py``).
@@ -73,12 +73,13 @@ if "JAX_DEFAULT_MATMUL_PRECISION" not in os.environ:
 _OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
 if _OWN_CACHE:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="linattn-jax-xla-cache-")
-# The programs that took 0.1 s or more to compile: writing an entry costs 10-17 ms (measured
-# on tests/ops/test_heinsen.py and test_linear.py, one process: 7-22% of their compile
-# time), more than the quick programs that a second process compiles again would save. The
-# subprocesses the tests start (training runs, notebook kernels) read the same settings from
-# the environment.
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
+# Every program, however quick to compile. An entry costs 10-17 ms to write (7-22% of
+# tests/ops/test_heinsen.py's and test_linear.py's compile time in one process), but with two
+# workers keeping only the programs that took 0.1 s or more was slower (test_shared_suite.py
+# and test_contract.py's packed and keyword tests: 70 and 64 s against 66 and 62 s), since
+# the workers then compile the quick ones twice. The subprocesses the tests start (training
+# runs, notebook kernels) read the same settings from the environment.
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
 jax.config.update("jax_persistent_cache_min_compile_time_secs",

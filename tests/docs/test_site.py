@@ -139,6 +139,17 @@ def test_benchmark_tables_show_the_measured_medians(tmp_path):
             f" {render._ms(case['median_s'])} (" in table), (path, case["variant"])
 
 
+def test_the_test_cost_table_shows_each_file_and_the_total(tmp_path):
+  render = _render_results()
+  render.render_all(DOCS / "results", tmp_path)
+  report = json.loads((DOCS / "results" / "test_costs" / "test_costs.json").read_text())
+  table = (tmp_path / "test_costs.md").read_text()
+  for name, cost in report["files"].items():
+    assert f"| `{name}` | {cost['tests']} | {cost['seconds']:.1f} | {cost['compiles']} |" in table
+  assert f"{sum(c['tests'] for c in report['files'].values()):,} tests" in table
+  assert f"({report['distinct_programs']:,} distinct programs)" in table
+
+
 def _slug(heading: str) -> str:
   """The anchor GitHub and MyST give a heading."""
   text = re.sub(r"[`*]", "", heading.strip().lower())
