@@ -198,19 +198,20 @@ def pytest_sessionfinish(session, exitstatus):
   write_report(config.getoption("--cost-report"), records)
 
 
+def _totals(records: dict[str, dict[str, float]], group) -> dict[str, collections.Counter]:
+  """The records summed by ``group(nodeid)``, with a count of ``tests``."""
+  totals: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+  for nodeid, record in records.items():
+    total = totals[group(nodeid)]
+    total["tests"] += 1
+    for field in FIELDS[1:]:
+      total[field] += record.get(field, 0)
+  return totals
+
+
 def write_report(path: str, records: dict[str, dict[str, float]]) -> None:
-  files: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-  for nodeid, record in records.items():
-    name = nodeid.split("::")[0]
-    files[name]["tests"] += 1
-    for field in FIELDS[1:]:
-      files[name][field] += record.get(field, 0)
-  functions: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-  for nodeid, record in records.items():
-    name = nodeid.split("[")[0]
-    functions[name]["tests"] += 1
-    for field in FIELDS[1:]:
-      functions[name][field] += record.get(field, 0)
+  files = _totals(records, lambda nodeid: nodeid.split("::")[0])
+  functions = _totals(records, lambda nodeid: nodeid.split("[")[0])
   slowest = sorted(records.items(), key=lambda item: -item[1].get("seconds", 0))[:25]
   report = {
       "meta": {"cpu_count": os.cpu_count(), "jax": jax.__version__,
