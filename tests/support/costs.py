@@ -37,7 +37,7 @@ BUDGET = pathlib.Path(__file__).parent.parent / "compile_budget.json"
 
 
 class _Meter:
-  """Sums the compile events between :meth:`start` and :meth:`stop`."""
+  """Sums the compile events (trace, lower and compile seconds, compilations) until :meth:`take`."""
 
   def __init__(self):
     self.totals = collections.Counter()
