@@ -25,6 +25,13 @@ import jax.numpy as jnp
 from linattn_jax._src import checks
 
 
+@jax.jit
+def _extrema(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``(min(x), max(x))`` as one compiled program per shape (run eagerly, the two
+  reductions compiled one each)."""
+  return jnp.min(x), jnp.max(x)
+
+
 class AttentionFn(Protocol):
   """The uniform signature every registered attention has, as :func:`get_attention` returns it.
 
@@ -314,7 +321,7 @@ class TokenInput:
       values = jnp.asarray(x)
       if isinstance(values, jax.core.Tracer) or not values.is_fully_addressable:
         return x
-      smallest, largest = float(jnp.min(values)), float(jnp.max(values))
+      smallest, largest = (float(e) for e in _extrema(values))
     low, high = self.bounds
     if smallest < low or largest > high:
       raise ValueError(f"{fn}: {self.name} ({self.role.value}) must lie in [{low}, {high}]; "

@@ -81,7 +81,7 @@ def test_signed_and_zero_values_forward_and_gradient(impl, is_causal, shape):
   fast = functools.partial(_call, impl, is_causal=is_causal, key_value_seq_lengths=lengths)
   ref = functools.partial(la.heinsen_attention_reference, is_causal=is_causal,
                           key_value_seq_lengths=lengths)
-  ct = cotangent(jnp.zeros(q.shape[:3] + v.shape[3:]))
+  ct = cotangent(np.zeros(q.shape[:3] + v.shape[3:], np.float32))
 
   def output_and_grads(f):  # One compiled program each.
     return output_and_gradients_program(f)(ct, q, k, v)

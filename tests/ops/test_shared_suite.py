@@ -157,7 +157,7 @@ def test_output_and_gradients_match_reference(cases, is_causal, shape, padded, s
   """
   lengths = kv_lengths(shape) if padded else None
   q, k, v = make_qkv(shape)  # For tracing and the error checks; the seeds' inputs below.
-  trace_ct = cotangent(jnp.zeros((shape.B, shape.T, shape.N, shape.D)))
+  trace_ct = cotangent(np.zeros((shape.B, shape.T, shape.N, shape.D), np.float32))
   judged = []
   for spec, impl in cases:
     fast, _ = build(spec, impl)
@@ -171,7 +171,7 @@ def test_output_and_gradients_match_reference(cases, is_causal, shape, padded, s
     judged.append(traced)
     for seed in seeds:
       qs, ks, vs = make_qkv(shape, seed=seed)
-      ct = cotangent(jnp.zeros((shape.B, shape.T, shape.N, shape.D)), seed=seed + 1)
+      ct = cotangent(np.zeros((shape.B, shape.T, shape.N, shape.D), np.float32), seed=seed + 1)
       out, grads = output_and_gradients(ct, qs, ks, vs, lengths)
       assert out.shape == (shape.B, shape.T, shape.N, shape.D)
       assert out.dtype == qs.dtype
@@ -531,7 +531,7 @@ def test_low_precision_round_trip(case, dtypes, seeds):
   is_causal = _hardest_mode(spec, impl)
   shape = SHAPES[0]
   lengths = kv_lengths(shape)
-  cts = [cotangent(jnp.zeros((shape.B, shape.T, shape.N, shape.D), dtype))
+  cts = [cotangent(np.zeros((shape.B, shape.T, shape.N, shape.D), dtype))
          for dtype in dtypes]
 
   one_dtype = output_and_gradients_program(
@@ -758,7 +758,7 @@ def _assert_packed_equals_separate(spec, fast, is_causal, q, k, v, segment_ids, 
                 segment_ids=segment_ids)
 
   separate = _one_segment_at_a_time(spec, fast, is_causal, q, k, q_ids, kv_ids, lengths)
-  ct = cotangent(jnp.zeros(q.shape[:3] + v.shape[3:], q.dtype))
+  ct = cotangent(np.zeros(q.shape[:3] + v.shape[3:], q.dtype))
   # Each side is one compiled program: the segments' calls, dispatched op by op, compiled
   # each op on its own.
   want, wants = output_and_gradients_program(separate)(ct, q, k, v)

@@ -77,7 +77,7 @@ def test_context_parallel_matches_the_oracle(name, is_causal):
       parallel.context_parallel_attention(q, k, v, attention=name, mesh=mesh(), axis_name="seq",
                                           is_causal=False, **options)
     return
-  ct = cotangent(jnp.zeros((shape.B, shape.T, shape.N, shape.D)))
+  ct = cotangent(np.zeros((shape.B, shape.T, shape.N, shape.D), np.float32))
   split = with_derived_inputs(spec, functools.partial(
       parallel.context_parallel_attention, attention=name, mesh=mesh(), axis_name="seq",
       is_causal=is_causal, key_value_seq_lengths=lengths, **options))
@@ -122,7 +122,7 @@ def test_ring_attention_matches_the_oracle(is_causal, load_balance):
   spec = la.get_spec("softmax")
   q, k, v = make_qkv(SHAPE)
   lengths = kv_lengths(SHAPE)
-  ct = cotangent(jnp.zeros((SHAPE.B, SHAPE.T, SHAPE.N, SHAPE.D)))
+  ct = cotangent(np.zeros((SHAPE.B, SHAPE.T, SHAPE.N, SHAPE.D), np.float32))
   got, got_grads = _value_and_grads(
       lambda q, k, v: parallel.ring_attention(
           q, k, v, mesh=mesh(), axis_name="seq", is_causal=is_causal,
@@ -150,7 +150,7 @@ def test_ring_attention_with_segment_ids_equals_one_device(is_causal):
   runs in zig-zag order, so the ids are reordered with the keys."""
   q, k, v = make_qkv(PACKED)
   ids, lengths = jnp.asarray(PACKED_IDS), jnp.asarray(PACKED_LENGTHS, jnp.int32)
-  ct = cotangent(jnp.zeros((PACKED.B, PACKED.T, PACKED.N, PACKED.D)))
+  ct = cotangent(np.zeros((PACKED.B, PACKED.T, PACKED.N, PACKED.D), np.float32))
   options = dict(is_causal=is_causal, key_value_seq_lengths=lengths, segment_ids=ids)
   got = _value_and_grads(lambda q, k, v: parallel.ring_attention(
       q, k, v, mesh=mesh(), axis_name="seq", block_q=2, block_k=3, **options), q, k, v, ct)
@@ -173,7 +173,7 @@ def test_context_parallel_with_segment_ids_equals_one_device(name):
   spec = la.get_spec(name)
   q, k, v = make_qkv(PACKED)
   ids, lengths = jnp.asarray(PACKED_IDS), jnp.asarray(PACKED_LENGTHS, jnp.int32)
-  ct = cotangent(jnp.zeros((PACKED.B, PACKED.T, PACKED.N, PACKED.D)))
+  ct = cotangent(np.zeros((PACKED.B, PACKED.T, PACKED.N, PACKED.D), np.float32))
   options = dict(is_causal=True, key_value_seq_lengths=lengths, segment_ids=ids)
   split = with_derived_inputs(spec, functools.partial(
       parallel.context_parallel_attention, attention=name, mesh=mesh(), axis_name="seq",

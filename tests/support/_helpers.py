@@ -60,7 +60,13 @@ def make_qkv(shape: Shape, dtype: Any = jnp.float32, seed: int = 0, amplitude: f
   rng = np.random.default_rng(seed)
   dims = ((shape.B, shape.T, shape.N, shape.H), (shape.B, shape.S, shape.K, shape.H),
           (shape.B, shape.S, shape.K, shape.D))
-  return tuple(jnp.asarray(amplitude * rng.standard_normal(d), dtype) for d in dims)
+  return tuple(host_array(amplitude * rng.standard_normal(d), dtype) for d in dims)
+
+
+def host_array(x, dtype) -> jax.Array:
+  """``x`` cast to ``dtype`` in numpy, then placed on the device: ``jnp.asarray(x, dtype)``
+  compiles a program per shape (a cast, or, for an array of the dtype, ``lax.stage``)."""
+  return jax.device_put(np.asarray(x, dtype))
 
 
 def kv_lengths(shape: Shape) -> jax.Array:
@@ -70,13 +76,13 @@ def kv_lengths(shape: Shape) -> jax.Array:
   must give zeros (and zero, finite gradients), not NaN.
   """
   choices = [max(1, shape.S // 3), 0, shape.S]
-  return jnp.asarray([choices[b % 3] for b in range(shape.B)], jnp.int32)
+  return host_array([choices[b % 3] for b in range(shape.B)], np.int32)
 
 
 def cotangent(out: jax.Array, seed: int = 1) -> jax.Array:
   """A fixed random output cotangent, so that gradients see every entry."""
   rng = np.random.default_rng(seed)
-  return jnp.asarray(rng.standard_normal(out.shape), out.dtype)
+  return host_array(rng.standard_normal(out.shape), out.dtype)
 
 
 def assert_close(actual, expected, dtype, table=None, err_msg: str = "") -> None:
@@ -442,9 +448,9 @@ def oracle_output(spec, options, q, k, v, is_causal, lengths):
   run = _oracle_forward(spec, what, is_causal, with_weights)
   if not with_weights:
     compute = accumulation_dtype(q.dtype)
-    return run(*(jnp.asarray(x).astype(compute) for x in (q, k, v)), lengths)
+    return run(*(host_array(x, compute) for x in (q, k, v)), lengths)
   with jax.enable_x64(True):
-    out, weights = run(*(jnp.asarray(x, jnp.float64) for x in (q, k, v)), lengths)
+    out, weights = run(*(host_array(x, np.float64) for x in (q, k, v)), lengths)
     return np.asarray(out), jax.tree.map(np.asarray, weights)
 
 
@@ -593,10 +599,10 @@ def oracle_output_and_gradients(spec, options, q, k, v, is_causal, lengths, ct,
 
   run = _oracle_program(spec, what, "output_and_gradients", is_causal, make)
   if spec.weights is None:
-    out, grads, _ = run(q, k, v, lengths, jnp.asarray(ct, q.dtype))
+    out, grads, _ = run(q, k, v, lengths, host_array(ct, q.dtype))
     return out, None, grads, None
   with jax.enable_x64(True):
-    q, k, v, ct = (jnp.asarray(x, jnp.float64) for x in (q, k, v, ct))
+    q, k, v, ct = (host_array(x, np.float64) for x in (q, k, v, ct))
     out, grads, weights = run(q, k, v, lengths, ct)
     if with_sensitivity and signed_weights(weights):
       sensitivity = _oracle_program(
