@@ -55,18 +55,18 @@ SHAPES = (
 TINY = Shape(B=1, T=5, S=5, N=2, K=1, H=3, D=2)
 
 
+def host_array(x, dtype) -> jax.Array:
+  """``x`` cast to ``dtype`` in numpy, then placed on the device: ``jnp.asarray(x, dtype)``
+  compiles a program per shape (a cast, or, for an array of the dtype, ``lax.stage``)."""
+  return jax.device_put(np.asarray(x, dtype))
+
+
 def make_qkv(shape: Shape, dtype: Any = jnp.float32, seed: int = 0, amplitude: float = 1.0):
   """Random normal query, key and value of ``shape`` (cast to ``dtype``)."""
   rng = np.random.default_rng(seed)
   dims = ((shape.B, shape.T, shape.N, shape.H), (shape.B, shape.S, shape.K, shape.H),
           (shape.B, shape.S, shape.K, shape.D))
   return tuple(host_array(amplitude * rng.standard_normal(d), dtype) for d in dims)
-
-
-def host_array(x, dtype) -> jax.Array:
-  """``x`` cast to ``dtype`` in numpy, then placed on the device: ``jnp.asarray(x, dtype)``
-  compiles a program per shape (a cast, or, for an array of the dtype, ``lax.stage``)."""
-  return jax.device_put(np.asarray(x, dtype))
 
 
 def kv_lengths(shape: Shape) -> jax.Array:
