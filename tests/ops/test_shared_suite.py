@@ -696,8 +696,9 @@ def _sensitivity_of_segments(name, is_causal, q_ids, kv_ids, lengths):
   q, k, v = (np.asarray(x) for x in make_qkv(PACKED._replace(T=q_ids.shape[1])))
   zeros = [np.zeros(x.shape) for x in (q, k, v)]
   what = spec.what_options(suite_options(spec))
-  if spec.weights is None or not signed_weights(spec.weights(
-      q, k, is_causal=is_causal, key_value_seq_lengths=jnp.asarray(lengths), **what)):
+  if spec.weights is None or not signed_weights(jax.jit(  # One program, not one per op.
+      lambda q, k, lengths: spec.weights(q, k, is_causal=is_causal, key_value_seq_lengths=lengths,
+                                         **what))(q, k, lengths)):
     return zeros
   padded = _Padded.of(q_ids, kv_ids, lengths)
   ct = padded.cut(np.asarray(cotangent(np.zeros(q.shape[:3] + v.shape[3:], q.dtype))))
