@@ -106,8 +106,12 @@ def _reference_recurrent(m: nn.RecurrentMixer, x: jax.Array) -> jax.Array:
     o = la.gated_linear_attention_reference(q, k, v, g, is_causal=True)
   o = _rms(o, p("o_norm.scale"), m.o_norm.epsilon)
   if m.g_proj is not None:
-    gate = (x @ p("g_proj.down.kernel") @ p("g_proj.up.kernel") + p("g_proj.up.bias")
-            if r.low_rank_gate else x @ p("g_proj.kernel")).reshape(o.shape)
+    if r.low_rank_gate:
+      bias = 0.0 if m.g_proj.up.bias is None else p("g_proj.up.bias")
+      gate = x @ p("g_proj.down.kernel") @ p("g_proj.up.kernel") + bias
+    else:
+      gate = x @ p("g_proj.kernel")
+    gate = gate.reshape(o.shape)
     o = o * (jax.nn.sigmoid(gate) if m.o_norm.activation == "sigmoid" else jax.nn.silu(gate))
   return o.reshape(B, x.shape[1], -1) @ p("o_proj.kernel")
 
@@ -151,7 +155,7 @@ CONFIGS = {
     # Three steps per token, and grouped value heads.
     "gated_deltaproduct": ("gated_deltaproduct", dict(num_heads=2, num_v_heads=4,
                                                       num_householder=3)),
-    "kda": ("kda", dict(num_heads=2, num_v_heads=4, head_dim=8)),
+    "kda": ("kda", dict(num_heads=2, num_v_heads=4, head_dim=8, gate_bias=False)),  # Kimi's.
     "gla": ("gla", dict(num_heads=4, num_kv_heads=2, short_conv=True, conv_size=3,
                         expand_v=2.0)),
     # RetNet's rotary embedding on another mixer.

@@ -3,23 +3,10 @@
 A released model never runs the bare recurrence. Its token mixer projects q, k
 and v, runs each through a short causal depthwise convolution, projects the
 recurrence's gates from the input, and after the recurrence normalises each
-head and multiplies it by an output gate. This module builds those layers from
-a few small parts:
-
-- :class:`ShortConvolution`: ``y_t = act(Σ_{i<W} w_i ⊙ x_{t-i} + b)``, its decode
-  state the last ``W - 1`` inputs;
-- :class:`TokenShift`: the previous token ``x_{t-1}`` (RWKV), its decode state the last
-  input;
-- :class:`GatedRMSNorm`: ``RMSNorm(o) ⊙ act(g)`` per head;
-- :class:`LowRank`: ``act(x W_down) W_up + b``;
-- :class:`RecurrentMixer`: the mixer of Gated DeltaNet, KDA, GLA, simple GLA, RetNet
-  and DeltaNet, one class whose :class:`Recipe` says which parts each uses;
-- :class:`RWKV7TimeMixer`: RWKV-7's time mixing (token shift, low-rank gates, value
-  residual, group norm).
-
-Every part resets at a packed document's boundary (``segment_ids``) and decodes on
-the protocol of :class:`MultiHeadAttention`: ``init_cache(input_shape)``, then calls
-with ``decode=True`` on the next positions (a prompt or one token).
+head and multiplies it by an output gate. This module holds
+:class:`RecurrentMixer`, the mixer of Gated DeltaNet, KDA, GLA, simple GLA, RetNet and
+DeltaNet (one class whose :class:`Recipe` says which parts of ``parts.py`` each uses),
+and :func:`token_mixer`, every paper's mixer by name (RWKV-7's is ``rwkv7.py``).
 
 Letters: B batch, T length, F model width (``hidden_size``), N query heads, K key heads,
 V value heads (V = r·K: grouped value heads), H key head dim, D value head dim,
@@ -30,13 +17,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from flax.nnx.nn import initializers
 from flax.typing import Dtype, Initializer, PrecisionLike, Shape
 
 from linattn_jax._src import checks
@@ -48,300 +34,18 @@ from linattn_jax._src.nn.gates import (
     l2_normalize,
     mamba2_decay_init,
 )
+from linattn_jax._src.nn.parts import (
+    DEFAULT_KERNEL_INIT,
+    GatedRMSNorm,
+    LowRank,
+    ShortConvolution,
+    check_inputs,
+    expand_to,
+    rotary,
+    segment_positions,
+)
+from linattn_jax._src.nn.rwkv7 import RWKV7TimeMixer
 from linattn_jax._src.registry import Role, get_spec
-
-_DEFAULT_KERNEL_INIT = initializers.lecun_normal()
-_ZEROS = initializers.zeros_init()
-_ACTIVATIONS: dict[str | None, Callable[[jax.Array], jax.Array]] = {
-    None: lambda x: x, "silu": jax.nn.silu, "swish": jax.nn.silu, "sigmoid": jax.nn.sigmoid,
-    "tanh": jnp.tanh}
-
-
-def _activation(name: str | None, *, fn: str) -> Callable[[jax.Array], jax.Array]:
-  return _ACTIVATIONS[checks.check_choice(name, name="activation", choices=list(_ACTIVATIONS),
-                                          fn=fn)]
-
-
-def _lead(a: jax.Array, like: jax.Array) -> jax.Array:
-  """``a`` with leading axes of size 1 up to ``like``'s rank (no implicit rank promotion)."""
-  return a.reshape((1,) * (like.ndim - a.ndim) + a.shape)
-
-
-def _check_inputs(x: jax.Array, features: int, segment_ids: Any, *, fn: str) -> Any:
-  """``x`` must be ``[B, T, features]``; ``segment_ids`` None or int ``[B, T]`` (returned
-  as int32)."""
-  if jnp.ndim(x) != 3 or jnp.shape(x)[-1] != features:
-    raise ValueError(f"{fn}: inputs must be [B, T, {features}]; got shape {jnp.shape(x)}.")
-  if segment_ids is None:
-    return None
-  ids = jnp.asarray(segment_ids)
-  if ids.shape != x.shape[:2] or not jnp.issubdtype(ids.dtype, jnp.integer):
-    raise ValueError(f"{fn}: segment_ids must be integers [B, T] = {x.shape[:2]}; got "
-                     f"{ids.dtype} of shape {ids.shape}.")
-  checks.check_segment_order(ids, fn=fn)
-  return ids.astype(jnp.int32)
-
-
-# RoPE's base (Su et al.): the frequency of feature pair i is ROPE_BASE^(-2i / H).
-ROPE_BASE = 10000.0
-
-
-def rotary(x: jax.Array, positions: jax.Array) -> jax.Array:
-  """The rotary position embedding of ``x [B, T, ..., H]`` at ``positions [B, T]``.
-
-  Each pair of features ``(x_i, x_{i + H/2})`` (halves, not interleaved) turns by the
-  angle ``p θ_i`` with ``θ_i = ROPE_BASE^(-2i / H)``, in float32::
-
-      (x_i, x_{i+H/2}) ↦ (x_i cos pθ_i - x_{i+H/2} sin pθ_i, x_{i+H/2} cos pθ_i + x_i sin pθ_i)
-
-  so that ``rotary(q, p)ᵀ rotary(k, s)`` depends on p - s only. H must be even.
-
-  References:
-    Su et al., "RoFormer: Enhanced Transformer with Rotary Position Embedding", 2021.
-  """
-  half = x.shape[-1] // 2
-  theta = ROPE_BASE ** (-2.0 * jnp.arange(half, dtype=jnp.float32) / x.shape[-1])
-  angle = positions.astype(jnp.float32)[..., None] * theta[None, None]  # [B, T, H/2]
-  angle = angle.reshape(angle.shape[:2] + (1,) * (x.ndim - 3) + (half,))
-  cos, sin = jnp.cos(angle), jnp.sin(angle)
-  x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
-  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
-
-
-def segment_positions(segment_ids: jax.Array | None, shape: tuple[int, int], *,
-                      last_id: jax.Array | None = None,
-                      offset: jax.Array | None = None) -> jax.Array:
-  """Each token's position in its document, ``[B, T]`` int32 for ``shape = (B, T)``.
-
-  Positions count from 0 where a document starts (where ``segment_ids`` changes).
-  Decoding: ``last_id [B]`` is the last decoded token's id and ``offset [B]`` the next
-  position in its document; the tokens that continue it count on from ``offset``
-  (without ids, every token does).
-  """
-  B, T = shape
-  t = jnp.arange(T, dtype=jnp.int32)
-  offset = jnp.zeros((B,), jnp.int32) if offset is None else offset.astype(jnp.int32)
-  if segment_ids is None:
-    return offset[:, None] + t[None]
-  before = segment_ids[:, :1] if last_id is None else last_id[:, None]
-  starts = segment_ids != jnp.concatenate([before, segment_ids[:, :-1]], axis=1)
-  start = jax.lax.cummax(jnp.where(starts, t[None], -1), axis=1)  # -1: no start yet.
-  return jnp.where(start < 0, offset[:, None] + t[None], t[None] - start)
-
-
-class _CausalWindow(nnx.Module):
-  """The last ``width`` inputs of each position within its document, and their decode cache.
-
-  ``_taps(x, decode, segment_ids)`` returns ``width`` arrays like ``x [B, T, F]``, tap i
-  holding ``x_{t - (width - 1 - i)}`` where that input lies in ``x_t``'s document and
-  zero elsewhere (before the sequence, or in an earlier document). In decoding the
-  cache holds the last ``width - 1`` inputs and their ids.
-  """
-
-  width: int
-  features: int
-
-  def init_cache(self, input_shape: Shape, dtype: Dtype = jnp.float32) -> None:
-    """An empty cache for inputs ``(B, C, F)`` (the length C is not needed: the cache holds
-    the last ``width - 1`` inputs)."""
-    B = input_shape[0]
-    self.cache = nnx.Cache(jnp.zeros((B, self.width - 1, self.features), dtype))
-    self.cache_ids = nnx.Cache(jnp.zeros((B, self.width - 1), jnp.int32))
-
-  def _taps(self, x: jax.Array, *, decode: bool, segment_ids: jax.Array | None,
-            fn: str) -> list[jax.Array]:
-    B, T, F = x.shape
-    past_len = self.width - 1
-    if decode:
-      if self.cache is None:
-        raise ValueError(f"{fn}: decode=True needs a cache: call init_cache first.")
-      past, past_ids = self.cache.get_value(), self.cache_ids.get_value()
-      if segment_ids is None:  # The inputs continue the last one's document.
-        segment_ids = jnp.broadcast_to(past_ids[:, -1:], (B, T))
-    else:
-      past = jnp.zeros((B, past_len, F), x.dtype)
-      # Zeros before the row: whatever id they carry, they add nothing.
-      past_ids = None if segment_ids is None else jnp.broadcast_to(segment_ids[:, :1],
-                                                                   (B, past_len))
-    full = jnp.concatenate([past.astype(x.dtype), x], axis=1)  # [B, W - 1 + T, F]
-    full_ids = None if segment_ids is None else jnp.concatenate([past_ids, segment_ids], 1)
-    if decode:
-      self.cache.set_value(full[:, T:].astype(self.cache.get_value().dtype))
-      self.cache_ids.set_value(full_ids[:, T:])
-    taps = []
-    for i in range(self.width):
-      tap = full[:, i:i + T]
-      if full_ids is not None:
-        tap = jnp.where((full_ids[:, i:i + T] == segment_ids)[..., None], tap, 0)
-      taps.append(tap)
-    return taps
-
-
-class ShortConvolution(_CausalWindow):
-  """A causal depthwise convolution: ``y_t = act(Σ_{i<W} w_i ⊙ x_{t-i} + b)``.
-
-  ``kernel [W, F]``: row ``W - 1 - i`` weighs ``x_{t-i}`` (the layout of a PyTorch
-  ``Conv1d(F, F, W, groups=F)``'s ``weight [F, 1, W]``, transposed). A tap that reaches
-  before the sequence or into an earlier packed document (``segment_ids [B, T]``) reads
-  zero. Decoding (after :meth:`init_cache`) keeps the last ``W - 1`` inputs and their
-  ids: a position whose id differs from the cache's starts its document afresh.
-
-  Args:
-    features: F.
-    kernel_size: W (4 in the models here).
-    activation: ``"silu"`` (the default), ``"swish"``, ``"sigmoid"``, ``"tanh"`` or None.
-    use_bias: add ``bias [F]``.
-    dtype: the computation's dtype (default: the inputs').
-    param_dtype: the parameters'.
-    rngs: ``params`` draws the kernel, ``U(±1/sqrt(W))`` as PyTorch's default.
-
-  Examples:
-    >>> conv = nn.ShortConvolution(8, 4, rngs=nnx.Rngs(0))
-    >>> conv.kernel.shape  # [W, F]
-    (4, 8)
-    >>> x = jax.random.normal(jax.random.key(0), (2, 5, 8))
-    >>> full = conv(x)
-    >>> conv.init_cache(x.shape)
-    >>> steps = jnp.concatenate([conv(x[:, :3], decode=True), conv(x[:, 3:], decode=True)], 1)
-    >>> bool(jnp.allclose(steps, full, atol=1e-6))
-    True
-
-  Reference: Arora et al., "Simple linear attention language models balance the
-  recall-throughput tradeoff" (Based), 2024; Yang et al., "Gated Delta Networks", 2025.
-  """
-
-  def __init__(self, features: int, kernel_size: int = 4, *, activation: str | None = "silu",
-               use_bias: bool = False, dtype: Dtype | None = None,
-               param_dtype: Dtype = jnp.float32, rngs: nnx.Rngs):
-    fn = "ShortConvolution"
-    self.features = checks.check_positive_int(features, name="features", fn=fn)
-    self.width = checks.check_positive_int(kernel_size, name="kernel_size", fn=fn)
-    self.activation, self._act = activation, _activation(activation, fn=fn)
-    self.dtype = dtype
-    bound = 1.0 / math.sqrt(kernel_size)
-    self.kernel = nnx.Param(jax.random.uniform(rngs.params(), (kernel_size, features),
-                                               param_dtype, -bound, bound))
-    self.bias = nnx.Param(jax.random.uniform(rngs.params(), (features,), param_dtype, -bound,
-                                             bound)) if use_bias else nnx.data(None)
-    self.cache = nnx.data(None)
-    self.cache_ids = nnx.data(None)
-
-  def __call__(self, x: jax.Array, *, decode: bool = False,
-               segment_ids: jax.Array | None = None) -> jax.Array:
-    """``x [B, T, F]`` -> ``[B, T, F]``; ``decode``: the next T positions after the cache."""
-    fn = "ShortConvolution"
-    ids = _check_inputs(x, self.features, segment_ids, fn=fn)
-    dtype = self.dtype or x.dtype
-    taps = self._taps(x.astype(dtype), decode=decode, segment_ids=ids, fn=fn)
-    kernel = self.kernel.get_value().astype(dtype)
-    y = sum(tap * _lead(kernel[i], tap) for i, tap in enumerate(taps))
-    if self.bias is not None:
-      y = y + _lead(self.bias.get_value().astype(dtype), y)
-    return self._act(y)
-
-
-class TokenShift(_CausalWindow):
-  """RWKV's token shift: the previous token of each position (zero at a document's start).
-
-  ``x [B, T, F]`` -> ``x_{t-1}`` ``[B, T, F]``. No parameters; decoding keeps the last
-  input and its id.
-
-  Examples:
-    >>> shift = nn.TokenShift(1)
-    >>> x = jnp.arange(1.0, 6.0).reshape(1, 5, 1)
-    >>> shift(x)[0, :, 0]
-    Array([0., 1., 2., 3., 4.], dtype=float32)
-    >>> shift(x, segment_ids=jnp.array([[0, 0, 1, 1, 1]]))[0, :, 0]  # A document from t = 2.
-    Array([0., 1., 0., 3., 4.], dtype=float32)
-  """
-
-  def __init__(self, features: int):
-    self.features = checks.check_positive_int(features, name="features", fn="TokenShift")
-    self.width = 2
-    self.cache = nnx.data(None)
-    self.cache_ids = nnx.data(None)
-
-  def __call__(self, x: jax.Array, *, decode: bool = False,
-               segment_ids: jax.Array | None = None) -> jax.Array:
-    ids = _check_inputs(x, self.features, segment_ids, fn="TokenShift")
-    return self._taps(x, decode=decode, segment_ids=ids, fn="TokenShift")[0]
-
-
-class GatedRMSNorm(nnx.Module):
-  """``RMSNorm(x) ⊙ act(g)`` over the last axis: ``x / sqrt(mean(x²) + eps) ⊙ scale ⊙ act(g)``.
-
-  The output norm of the gated token mixers, applied per head: ``x`` and ``g``
-  ``[..., D]``, the last axis a head's D. Computed in float32, returned in ``dtype``
-  (default: ``x``'s).
-
-  Args:
-    features: the last axis' size.
-    epsilon: eps.
-    activation: the gate's ``"swish"`` (Gated DeltaNet, GLA, RetNet), ``"sigmoid"``
-      (KDA), or None for a norm without a gate.
-    use_scale: learn ``scale [features]`` (ones at first).
-
-  Examples:
-    >>> norm = nn.GatedRMSNorm(4, rngs=nnx.Rngs(0))
-    >>> o, g = jnp.array([1.0, -1.0, 1.0, -1.0]), jnp.full((4,), 20.0)
-    >>> norm(o, g).round(3)  # swish(20) ≈ 20
-    Array([ 20., -20.,  20., -20.], dtype=float32)
-
-  Reference: Zhang and Sennrich, "Root Mean Square Layer Normalization", 2019.
-  """
-
-  def __init__(self, features: int, *, epsilon: float = 1e-5,
-               activation: str | None = "swish", use_scale: bool = True,
-               dtype: Dtype | None = None, param_dtype: Dtype = jnp.float32, rngs: nnx.Rngs):
-    del rngs  # The scale starts at ones.
-    self.features, self.epsilon, self.dtype = features, epsilon, dtype
-    self.activation, self._act = activation, _activation(activation, fn="GatedRMSNorm")
-    self.scale = nnx.Param(jnp.ones((features,), param_dtype)) if use_scale else nnx.data(None)
-
-  def __call__(self, x: jax.Array, gate: jax.Array | None = None) -> jax.Array:
-    if (gate is None) != (self.activation is None):
-      need = "takes no gate" if self.activation is None else "needs a gate"
-      raise ValueError(f"GatedRMSNorm: activation={self.activation!r} {need}.")
-    x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.epsilon)
-    if self.scale is not None:
-      y = y * _lead(self.scale.get_value().astype(jnp.float32), y)
-    if gate is not None:
-      y = y * self._act(gate.astype(jnp.float32))
-    return y.astype(self.dtype or x.dtype)
-
-
-class LowRank(nnx.Module):
-  """``act(x W_down) W_up + b``: a projection through rank R (``down [in, R]``, ``up [R, out]``).
-
-  ``x [..., in]`` -> ``[..., out]``.
-  KDA's decay and output gate, GLA's decay and RWKV-7's low-rank gates (their
-  "LoRA") are this, as ``nn.Sequential(Linear, act, Linear)`` in PyTorch.
-
-  Examples:
-    >>> low = nn.LowRank(32, 4, 64, activation="tanh", rngs=nnx.Rngs(0))
-    >>> low.down.kernel.shape, low.up.kernel.shape, low.up.bias.shape
-    ((32, 4), (4, 64), (64,))
-    >>> low(jnp.ones((2, 32))).shape
-    (2, 64)
-  """
-
-  def __init__(self, in_features: int, rank: int, out_features: int, *,
-               activation: str | None = None, use_bias: bool = True,
-               down_init: Initializer = _DEFAULT_KERNEL_INIT,
-               up_init: Initializer = _DEFAULT_KERNEL_INIT,
-               bias_init: Initializer = _ZEROS, dtype: Dtype | None = None,
-               param_dtype: Dtype = jnp.float32, precision: PrecisionLike = None,
-               rngs: nnx.Rngs):
-    self.activation, self._act = activation, _activation(activation, fn="LowRank")
-    self.down = nnx.Linear(in_features, rank, use_bias=False, kernel_init=down_init,
-                           dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
-    self.up = nnx.Linear(rank, out_features, use_bias=use_bias, kernel_init=up_init,
-                         bias_init=bias_init, dtype=dtype, param_dtype=param_dtype,
-                         precision=precision, rngs=rngs)
-
-  def __call__(self, x: jax.Array) -> jax.Array:
-    return self.up(self._act(self.down(x)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -510,6 +214,8 @@ class RecurrentMixer(nnx.Module):
       retnet; H must be even).
     output_gate: multiply the normed output by its gate (default the paper's: off for
       deltanet only; on, its activation is the recipe's, swish unless kda).
+    gate_bias: the low-rank output gate's bias ``g_proj.up.bias`` (kda only; default on,
+      as flash-linear-attention's layer; Kimi Linear's checkpoints have none).
     norm_eps: the output norm's eps.
     attention_options: the recurrence's options, e.g. ``{"chunk_size": 32}``.
     dtype, param_dtype, precision, kernel_init: the projections' settings, as in
@@ -552,11 +258,11 @@ class RecurrentMixer(nnx.Module):
                short_conv: bool | None = None, conv_size: int = 4,
                num_householder: int | None = None, allow_neg_eigval: bool | None = None,
                rotary: bool | None = None, output_gate: bool | None = None,
-               norm_eps: float = 1e-5,
+               gate_bias: bool | None = None, norm_eps: float = 1e-5,
                attention_options: Mapping[str, Any] | None = None,
                dtype: Dtype | None = None, param_dtype: Dtype = jnp.float32,
                precision: PrecisionLike = None,
-               kernel_init: Initializer = _DEFAULT_KERNEL_INIT, rngs: nnx.Rngs):
+               kernel_init: Initializer = DEFAULT_KERNEL_INIT, rngs: nnx.Rngs):
     fn = "RecurrentMixer"
     recipe = RECIPES[checks.check_choice(name, name="name", choices=list(RECIPES), fn=fn)]
     self.name, self.recipe = name, recipe
@@ -634,9 +340,13 @@ class RecurrentMixer(nnx.Module):
       self.gk_proj = linear(F, V, use_bias=True, dtype=f32)
     if recipe.beta:
       self.b_proj = linear(F, n * V, dtype=f32)
+    if gate_bias is not None and not (recipe.low_rank_gate and gate is not None):
+      raise ValueError(f"{fn}: gate_bias is the low-rank output gate's bias; {name!r} "
+                       f"{'has a full-rank gate' if gate is not None else 'has no output gate'}.")
     self.g_proj = nnx.data(None)
     if gate is not None:
       self.g_proj = (LowRank(F, D, O * D, down_init=kernel_init, up_init=kernel_init,
+                             use_bias=True if gate_bias is None else bool(gate_bias),
                              dtype=dtype, param_dtype=param_dtype, precision=precision,
                              rngs=rngs)
                      if recipe.low_rank_gate else linear(F, O * D))
@@ -669,13 +379,14 @@ class RecurrentMixer(nnx.Module):
     out = {}
     if recipe.decay == "mamba2":
       a = self.a_proj(x)
-      dt = jax.nn.softplus(a + _lead(self.dt_bias.get_value().astype(jnp.float32), a))
-      out[self._decay_name] = -_lead(jnp.exp(self.A_log.get_value().astype(jnp.float32)), dt) * dt
+      dt = jax.nn.softplus(a + expand_to(self.dt_bias.get_value().astype(jnp.float32), a))
+      A = jnp.exp(self.A_log.get_value().astype(jnp.float32))
+      out[self._decay_name] = -expand_to(A, dt) * dt
     elif recipe.decay == "kda":
       f = self.f_proj(x)
-      f = (f + _lead(self.dt_bias.get_value().astype(jnp.float32), f)).reshape(lead + (V, H))
+      f = (f + expand_to(self.dt_bias.get_value().astype(jnp.float32), f)).reshape(lead + (V, H))
       a = jnp.exp(self.A_log.get_value().astype(jnp.float32))[:, None]  # [V, 1]
-      out[self._decay_name] = -_lead(a, f) * jax.nn.softplus(f)
+      out[self._decay_name] = -expand_to(a, f) * jax.nn.softplus(f)
     elif recipe.decay == "gla":
       out[self._decay_name] = (jax.nn.log_sigmoid(self.gk_proj(x)) / GLA_GATE_NORMALIZER
                                ).reshape(lead + (V, H))
@@ -698,7 +409,7 @@ class RecurrentMixer(nnx.Module):
     decoded position's document).
     """
     fn = "RecurrentMixer"
-    ids = _check_inputs(x, self.hidden_size, segment_ids, fn=fn)
+    ids = check_inputs(x, self.hidden_size, segment_ids, fn=fn)
     B, T, _ = x.shape
     if decode and self.cache is None:
       raise ValueError(f"{fn}: decode=True needs a cache: call init_cache first.")
@@ -750,220 +461,6 @@ class RecurrentMixer(nnx.Module):
       g = self.g_proj(x).reshape(o.shape)
     o = self.o_norm(o, g)
     return self.o_proj(o.reshape(B, T, -1))
-
-
-def _rwkv7_rank(hidden_size: int, multiplier: float, factor: float = 1.0) -> int:
-  """RWKV-7's default low rank: ``multiplier·sqrt(F)·factor`` rounded to a multiple of 32
-  (at least 32)."""
-  return max(32, int(round(multiplier * math.sqrt(hidden_size) * factor / 32) * 32))
-
-
-class RWKV7TimeMixer(nnx.Module):
-  """RWKV-7's time mixing ("Goose"): token shift, low-rank gates, the DPLR recurrence.
-
-  From ``x [B, T, F]`` and its token shift ``δ = x_{t-1} - x_t``: six mixes
-  ``x_c = x + δ ⊙ μ_c`` (c in r, w, k, v, a, g); ``r = x_r W_r``, ``k = x_k W_k``,
-  ``v = x_v W_v``; the decay ``w = -exp(-1/2) sigmoid(lora_w(x_w))`` (a log decay in
-  (-0.607, 0)); the in-context rate ``a = sigmoid(lora_a(x_a))``; the removal key
-  ``κ̂ = normalize(k ⊙ k_k)`` per head, and the key ``k ← k ⊙ (1 + (a - 1) ⊙ k_a)``.
-  Every layer but the first blends its value toward the first layer's (the value
-  residual): ``v ← v + (v_first - v) ⊙ sigmoid(lora_v(x_v))``. The recurrence is
-  ``rwkv7``: ``S_t = (diag(exp(w_t)) - κ̂_t (a_t ⊙ κ̂_t)ᵀ) S_{t-1} + k_t v_tᵀ``,
-  ``o_t = r_tᵀ S_t`` (scale 1), then ``o ← (GroupNorm(o) + (Σ_h r ⊙ k ⊙ r_k) v) ⊙ g``
-  with ``g = lora_g(x_g)`` (sigmoid inside) and ``out = o W_o``. One head count K with
-  ``H = F / K`` (key and value dims), as the reference.
-
-  ``__call__(x, v_first=None, ...)`` returns ``(out, v_first)``: the first layer
-  (``layer_index=0``) returns its values for the later layers, which must be given them.
-
-  Parameters, with flash-linear-attention's ``RWKV7Attention`` names (a ``Linear``'s
-  ``weight`` is our ``kernel`` transposed; the ``x_*`` there are ``[1, 1, F]``):
-
-  ========================= ============ ============================ ===============
-  ours                      shape        reference                    note
-  ========================= ============ ============================ ===============
-  ``x_r`` … ``x_g`` (six)   [F]          ``x_r`` … ``x_g``            token-shift mix
-  ``k_k``, ``k_a``          [K·H]        ``k_k``, ``k_a``
-  ``r_k``                   [K, H]       ``r_k``                      bonus term
-  ``r_proj.kernel``         [F, K·H]     ``r_proj.weight``
-  ``k_proj.kernel``         [F, K·H]     ``k_proj.weight``
-  ``v_proj.kernel``         [F, K·H]     ``v_proj.weight``
-  ``w_lora.down.kernel``    [F, Rw]      ``w_lora.lora.0.weight``     tanh inside
-  ``w_lora.up.kernel``      [Rw, K·H]    ``w_lora.lora.2.weight``
-  ``w_lora.up.bias``        [K·H]        ``w_lora.lora.2.bias``
-  ``a_lora.down.kernel``    [F, Ra]      ``a_lora.lora.0.weight``
-  ``a_lora.up.kernel``      [Ra, K·H]    ``a_lora.lora.2.weight``
-  ``a_lora.up.bias``        [K·H]        ``a_lora.lora.2.bias``
-  ``v_lora.down.kernel``    [F, Rv]      ``v_lora.lora.0.weight``     layer_index > 0
-  ``v_lora.up.kernel``      [Rv, K·H]    ``v_lora.lora.2.weight``     layer_index > 0
-  ``v_lora.up.bias``        [K·H]        ``v_lora.lora.2.bias``       layer_index > 0
-  ``g_lora.down.kernel``    [F, Rg]      ``g_lora.lora.0.weight``     sigmoid inside
-  ``g_lora.up.kernel``      [Rg, K·H]    ``g_lora.lora.2.weight``
-  ``g_norm.scale``          [K·H]        ``g_norm.weight``            eps = H·norm_eps
-  ``g_norm.bias``           [K·H]        ``g_norm.bias``
-  ``o_proj.kernel``         [K·H, F]     ``o_proj.weight``
-  ========================= ============ ============================ ===============
-
-  The ranks default to the reference's: Rw = Ra = 32·round(2.5·sqrt(F)·H/64 / 32),
-  Rv with 1.7, Rg = 32·round(5·sqrt(F) / 32), each at least 32. The initial values
-  follow the reference's (the mixes, ``k_k``, ``k_a``, ``r_k``, the low-rank biases
-  and the norm's scale depend on ``layer_index`` of ``num_layers``; ``o_proj`` starts at
-  zero, so a fresh mixer outputs zeros).
-
-  Args:
-    hidden_size: F.
-    head_dim: H (default 64); K = F / H.
-    layer_index: this layer's index (0: the first, which has no ``v_lora``).
-    num_layers: the model's layer count (for the initial values).
-    decay_rank, a_rank, v_rank, gate_rank: Rw, Ra, Rv, Rg (defaults above).
-    norm_eps: the group norm's eps per unit of H.
-    attention_options: the ``rwkv7`` recurrence's options, e.g. ``{"chunk_size": 32}``.
-    dtype, param_dtype, precision: as in ``flax.nnx.Linear``.
-    rngs: ``params`` draws the weights.
-
-  Raises:
-    ValueError: for H not dividing F, a ``layer_index`` outside ``[0, num_layers)``,
-      a later layer called without ``v_first``, or inputs that are not ``[B, T, F]``.
-
-  Examples:
-    >>> first = nn.RWKV7TimeMixer(32, head_dim=8, num_layers=2, rngs=nnx.Rngs(0))
-    >>> second = nn.RWKV7TimeMixer(32, head_dim=8, layer_index=1, num_layers=2,
-    ...                            rngs=nnx.Rngs(1))
-    >>> x = jax.random.normal(jax.random.key(0), (1, 6, 32))
-    >>> h, v_first = first(x)
-    >>> out, _ = second(x + h, v_first)
-    >>> out.shape, second.r_k.shape  # [B, T, F], [K, H]
-    ((1, 6, 32), (4, 8))
-
-  Reference: Peng et al., "RWKV-7 'Goose' with Expressive Dynamic State Evolution", 2025.
-  """
-
-  def __init__(self, hidden_size: int, *, head_dim: int = 64, layer_index: int = 0,
-               num_layers: int = 1, decay_rank: int | None = None, a_rank: int | None = None,
-               v_rank: int | None = None, gate_rank: int | None = None,
-               norm_eps: float = 1e-5, attention_options: Mapping[str, Any] | None = None,
-               dtype: Dtype | None = None, param_dtype: Dtype = jnp.float32,
-               precision: PrecisionLike = None, rngs: nnx.Rngs):
-    fn = "RWKV7TimeMixer"
-    F = self.hidden_size = checks.check_positive_int(hidden_size, name="hidden_size", fn=fn)
-    H = self.head_dim = checks.check_positive_int(head_dim, name="head_dim", fn=fn)
-    num_layers = checks.check_positive_int(num_layers, name="num_layers", fn=fn)
-    if F % H:
-      raise ValueError(f"{fn}: head_dim={H} must divide hidden_size={F}.")
-    if not 0 <= layer_index < num_layers:
-      raise ValueError(f"{fn}: layer_index={layer_index} must be in [0, {num_layers}).")
-    K = self.num_heads = F // H
-    self.layer_index, self.dtype = layer_index, dtype
-    self._spec = get_spec("rwkv7")
-    self.attention_options = dict(attention_options or {})
-    self._spec.build(**self.attention_options)
-    f32 = jnp.float32
-    # The reference's initial values, from the layer's depth.
-    depth = layer_index / max(num_layers - 1, 1)  # 0 -> 1 over the layers.
-    shallow = 1.0 - layer_index / num_layers  # 1 -> nearly 0.
-    n = jnp.arange(F, dtype=f32)
-    ddd = n / F
-    linear = n / max(F - 1, 1) - 0.5
-    zigzag = ((n % H) - (H - 1) / 2) / max((H - 1) / 2, 1)
-    zigzag = zigzag * jnp.abs(zigzag)
-    www = -6 + 6 * (n / max(F - 1, 1)) ** (1 + depth ** 0.3)
-    for name, power in (("x_r", 0.2), ("x_w", 0.9), ("x_k", 0.7), ("x_v", 0.7), ("x_a", 0.9),
-                        ("x_g", 0.2)):
-      setattr(self, name, nnx.Param((1.0 - ddd ** (power * shallow)).astype(param_dtype)))
-    self.k_k = nnx.Param((0.71 - linear * 0.1).astype(param_dtype))
-    self.k_a = nnx.Param(jnp.full((F,), 1.02, param_dtype))
-    self.r_k = nnx.Param(jnp.full((K, H), -0.04, param_dtype))
-    init = initializers.lecun_normal()
-
-    def linear_(i, o, kernel_init=init):
-      return nnx.Linear(i, o, use_bias=False, kernel_init=kernel_init, dtype=dtype,
-                        param_dtype=param_dtype, precision=precision, rngs=rngs)
-
-    self.r_proj, self.k_proj, self.v_proj = linear_(F, F), linear_(F, F), linear_(F, F)
-    self.o_proj = linear_(F, F, initializers.zeros_init())
-
-    def lora(rank, activation, bias=None):
-      orthogonal = initializers.orthogonal(0.1 * max(1.0, math.sqrt(F / rank)))
-      return LowRank(F, rank, F, activation=activation, use_bias=bias is not None,
-                     down_init=initializers.zeros_init(),  # QR in float32 (not in bfloat16):
-                     up_init=lambda key, shape, dtype: orthogonal(key, shape).astype(dtype),
-                     bias_init=(lambda *_: bias.astype(param_dtype)) if bias is not None
-                     else initializers.zeros_init(),
-                     dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
-
-    factor = H / 64
-    self.w_lora = lora(decay_rank or _rwkv7_rank(F, 2.5, factor), "tanh",
-                       www + 0.5 + zigzag * 2.5)
-    self.a_lora = lora(a_rank or _rwkv7_rank(F, 2.5, factor), None,
-                       -0.19 + zigzag * 0.3 + linear * 0.4)
-    self.v_lora = (lora(v_rank or _rwkv7_rank(F, 1.7, factor), None, 0.73 - linear * 0.4)
-                   if layer_index > 0 else nnx.data(None))
-    self.g_lora = lora(gate_rank or _rwkv7_rank(F, 5.0), "sigmoid")
-    self.g_norm = nnx.GroupNorm(F, num_groups=K, epsilon=H * norm_eps, dtype=f32,
-                                param_dtype=param_dtype, rngs=rngs)
-    self.g_norm.scale.set_value(jnp.full((F,), ((layer_index + 1) / num_layers) ** 0.7,
-                                         param_dtype))
-    self.shift = TokenShift(F)
-    self.cache = nnx.data(None)
-
-  def init_cache(self, input_shape: Shape, dtype: Dtype = jnp.float32) -> None:
-    """An empty decode cache for inputs ``(B, C, F)``: the float32 state ``[B, K, H, H]``
-    and the last input, in ``dtype`` (C is not needed)."""
-    B, K, H = input_shape[0], self.num_heads, self.head_dim
-    self.cache = nnx.Cache(cache_lib.empty(
-        self._spec, batch=B, capacity=1, num_heads=K, num_kv_heads=K, head_dim=H,
-        dtype=jnp.dtype(dtype), options=self.attention_options))
-    self.shift.init_cache(input_shape, self.dtype or dtype)
-
-  def __call__(self, x: jax.Array, v_first: jax.Array | None = None, *, decode: bool = False,
-               segment_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """Mixes ``x [B, T, F]`` causally: ``(out [B, T, F], v_first [B, T, F])``.
-
-    ``v_first``: the first layer's values (every layer but the first needs them; the
-    first returns its own). ``segment_ids`` and ``decode`` as in :class:`RecurrentMixer`.
-    """
-    fn = "RWKV7TimeMixer"
-    ids = _check_inputs(x, self.hidden_size, segment_ids, fn=fn)
-    if (self.v_lora is not None) != (v_first is not None):
-      raise ValueError(f"{fn}: layer_index={self.layer_index} "
-                       + ("needs v_first, the first layer's values." if self.v_lora is not None
-                          else "is the first layer: it takes no v_first."))
-    B, T, F = x.shape
-    K, H = self.num_heads, self.head_dim
-    dtype = self.dtype or x.dtype
-    x = x.astype(dtype)
-    delta = self.shift(x, decode=decode, segment_ids=ids) - x
-    mix = {c: x + delta * _lead(getattr(self, f"x_{c}").get_value().astype(dtype), x)
-           for c in "rwkvag"}
-    r, k, v = self.r_proj(mix["r"]), self.k_proj(mix["k"]), self.v_proj(mix["v"])
-    f32 = jnp.float32
-    log_decay = -math.exp(-0.5) * jax.nn.sigmoid(self.w_lora(mix["w"]).astype(f32))
-    if self.v_lora is None:
-      v_first = v
-    else:
-      v = v + (v_first.astype(v.dtype) - v) * jax.nn.sigmoid(self.v_lora(mix["v"]))
-    a = jax.nn.sigmoid(self.a_lora(mix["a"]).astype(f32))
-    g = self.g_lora(mix["g"])
-    heads = lambda y: y.reshape(B, T, K, H)  # noqa: E731
-    kappa = l2_normalize(heads(k.astype(f32) * _lead(self.k_k.get_value().astype(f32), k)))
-    k = k * (1 + (a.astype(k.dtype) - 1) * _lead(self.k_a.get_value().astype(k.dtype), k))
-    r, k, v = heads(r), heads(k), heads(v)
-    gates = {"a": -kappa, "b": kappa * heads(a), "log_decay": heads(log_decay)}
-    options = {"scale": 1.0, **self.attention_options}
-    if decode:
-      if self.cache is None:
-        raise ValueError(f"{fn}: decode=True needs a cache: call init_cache first.")
-      cache, o = cache_lib.state_decode(self._spec, self.cache.get_value(), r, k, v,
-                                        options=options, gates=gates, segment_ids=ids)
-      self.cache.set_value(cache)
-    else:
-      packed = {} if ids is None else {"segment_ids": ids}
-      o = self._spec.function(r, k, v, is_causal=True, **packed, **options, **gates)
-    o = self.g_norm(o.astype(f32).reshape(B * T, F)).reshape(B, T, K, H)
-    bonus = jnp.sum(r * k * _lead(self.r_k.get_value().astype(r.dtype), r), -1,
-                    keepdims=True) * v
-    o = ((o + bonus.astype(f32)).reshape(B, T, F) * g.astype(f32)).astype(dtype)
-    return self.o_proj(o), v_first
 
 
 def token_mixer(name: str, hidden_size: int, num_heads: int, *, layer_index: int = 0,
