@@ -98,6 +98,7 @@ NO_PAPER = {
     "linattn_jax.register_attention", "linattn_jax.masks.causal", "linattn_jax.masks.padding",
     "linattn_jax.nn.as_flax_attention_fn", "linattn_jax.nn.cache_kind",
     "linattn_jax.nn.token_mixer", "linattn_jax.nn.token_mixer_names",
+    "linattn_jax.nn.load_transformers_layer",
     "linattn_jax.parallel.recurrent_attentions",
     *(name for name in FUNCTIONS if name.rsplit(".", 1)[1].startswith("init_")),
 }

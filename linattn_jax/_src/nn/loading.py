@@ -1,0 +1,357 @@
+"""A released model's token mixer, loaded from its transformers checkpoint.
+
+:func:`load_transformers_layer` reads a checkpoint directory as ``save_pretrained``
+writes it (``config.json`` and ``model.safetensors``, or ``model.safetensors.index.json``
+and its shards) with the ``safetensors`` package, without PyTorch, and returns the NNX
+module of one decoder layer's token mixer with its weights set.
+
+Each model type's mapping is one :class:`Plan`: the module its config builds, the
+prefix of that layer's tensors, and a table of :class:`Row` s (a checkpoint tensor, our
+parameters, how it is split and laid out). Every tensor under the prefix must be read
+and every parameter of the module set: anything else is a ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from flax.typing import Dtype
+
+from linattn_jax._src.nn.mixers import RecurrentMixer
+from linattn_jax._src.nn.state_space import Mamba2Mixer, ShortConvMixer
+
+_FN = "load_transformers_layer"
+
+
+class Row(NamedTuple):
+  """One checkpoint tensor and the parameter(s) it becomes.
+
+  Attributes:
+    name: the tensor's name after the layer's prefix (``in_proj.weight``).
+    ours: our parameter's path in the module (``in_proj.kernel``), or several when the
+      tensor is split.
+    layout: ``"copy"`` (as stored, reshaped to our parameter's shape), ``"linear"`` (a
+      PyTorch ``Linear`` weight ``[out, in]``, transposed to a kernel ``[in, out]``) or
+      ``"conv"`` (a depthwise ``Conv1d`` weight ``[C, 1, W]``, as ``[W, C]``).
+    parts: the sizes the tensor's first axis splits into, one per parameter of ``ours``.
+    groups: the first axis is ``groups`` runs of ``Σ parts`` (a fused projection
+      interleaved per key head); each part is gathered from every run, in order.
+  """
+
+  name: str
+  ours: str | tuple[str, ...]
+  layout: str = "copy"
+  parts: tuple[int, ...] | None = None
+  groups: int = 1
+
+
+class Plan(NamedTuple):
+  """How one layer's token mixer loads: ``build(**settings)`` makes the module (its
+  settings: ``dtype``, ``param_dtype``, ``rngs``), ``prefix`` starts the names of its
+  tensors, ``rows`` maps them."""
+
+  build: Callable[..., nnx.Module]
+  prefix: str
+  rows: tuple[Row, ...]
+
+
+def _field(config: Mapping[str, Any], name: str, model_type: str) -> Any:
+  if name not in config:
+    raise ValueError(f"{_FN}: the {model_type} config has no {name!r}.")
+  return config[name]
+
+
+def _kind(config: Mapping[str, Any], index: int, model_type: str, recurrent: str) -> None:
+  """Checks that layer ``index`` is a ``recurrent`` layer of ``layer_types``."""
+  kinds = _field(config, "layer_types", model_type)
+  if kinds[index] != recurrent:
+    raise ValueError(f"{_FN}: layer {index} of this {model_type} checkpoint is a "
+                     f"{kinds[index]!r} layer, not a {recurrent!r} one; its recurrent layers: "
+                     f"{[i for i, k in enumerate(kinds) if k == recurrent]}.")
+
+
+def _silu(config: Mapping[str, Any], model_type: str, name: str = "hidden_act") -> None:
+  act = config.get(name, "silu")
+  if act not in ("silu", "swish"):
+    raise ValueError(f"{_FN}: {model_type} with {name}={act!r}; the layer takes silu only.")
+
+
+def _qwen3_next(config: Mapping[str, Any], index: int) -> Plan:
+  """Qwen3-Next's (and Qwen3.5's) Gated DeltaNet: ``in_proj_qkvz`` is K runs of
+  ``[q (H) | k (H) | v (r·D) | z (r·D)]`` and ``in_proj_ba`` K runs of ``[b (r) | a (r)]``
+  (r = V / K value heads per key head); one convolution over ``q | k | v``."""
+  t = "qwen3_next"
+  _kind(config, index, t, "linear_attention")
+  _silu(config, t)
+  f = lambda name: _field(config, name, t)  # noqa: E731
+  F, K, V = f("hidden_size"), f("linear_num_key_heads"), f("linear_num_value_heads")
+  H, D, W = f("linear_key_head_dim"), f("linear_value_head_dim"), f("linear_conv_kernel_dim")
+  r = V // K
+
+  def build(**settings):
+    return RecurrentMixer("gated_deltanet", F, K, head_dim=H, num_v_heads=V, expand_v=D / H,
+                          conv_size=W, norm_eps=f("rms_norm_eps"), **settings)
+
+  return Plan(build, f"model.layers.{index}.linear_attn.", (
+      Row("in_proj_qkvz.weight", ("q_proj.kernel", "k_proj.kernel", "v_proj.kernel",
+                                  "g_proj.kernel"), "linear", (H, H, r * D, r * D), K),
+      Row("in_proj_ba.weight", ("b_proj.kernel", "a_proj.kernel"), "linear", (r, r), K),
+      Row("conv1d.weight", ("q_conv.kernel", "k_conv.kernel", "v_conv.kernel"), "conv",
+          (K * H, K * H, V * D)),
+      Row("A_log", "A_log"),
+      Row("dt_bias", "dt_bias"),
+      Row("norm.weight", "o_norm.scale"),
+      Row("out_proj.weight", "o_proj.kernel", "linear"),
+  ))
+
+
+def _kimi_linear(config: Mapping[str, Any], index: int) -> Plan:
+  """Kimi Linear's KDA layers (``linear_attn_config.kda_layers``, counted from 1): the
+  checkpoint stores the convolutions split and the forget gate's tensors at the top."""
+  t = "kimi_linear"
+  linear = _field(config, "linear_attn_config", t)
+  layers = [i - 1 for i in _field(linear, "kda_layers", t)]
+  if index not in layers:
+    raise ValueError(f"{_FN}: layer {index} of this {t} checkpoint is not a KDA layer; its "
+                     f"KDA layers (from 0): {layers}.")
+  _silu(config, t)
+  F, N = _field(config, "hidden_size", t), _field(linear, "num_heads", t)
+  H, W = _field(linear, "head_dim", t), _field(linear, "short_conv_kernel_size", t)
+
+  def build(**settings):
+    return RecurrentMixer("kda", F, N, head_dim=H, conv_size=W, gate_bias=False,
+                          norm_eps=_field(config, "rms_norm_eps", t), **settings)
+
+  rows = [Row(f"{x}_proj.weight", f"{x}_proj.kernel", "linear") for x in "qkv"]
+  rows += [Row(f"{x}_conv1d.weight", f"{x}_conv.kernel", "conv") for x in "qkv"]
+  return Plan(build, f"model.layers.{index}.self_attn.", tuple(rows) + (
+      Row("f_a_proj.weight", "f_proj.down.kernel", "linear"),
+      Row("f_b_proj.weight", "f_proj.up.kernel", "linear"),
+      Row("dt_bias", "dt_bias"),
+      Row("A_log", "A_log"),  # [1, 1, N, 1] as [N].
+      Row("b_proj.weight", "b_proj.kernel", "linear"),
+      Row("g_a_proj.weight", "g_proj.down.kernel", "linear"),
+      Row("g_b_proj.weight", "g_proj.up.kernel", "linear"),
+      Row("o_norm.weight", "o_norm.scale"),
+      Row("o_proj.weight", "o_proj.kernel", "linear"),
+  ))
+
+
+def _mamba2(config: Mapping[str, Any], index: int) -> Plan:
+  """Mamba-2: its fused ``in_proj`` and convolution over ``x | B | C`` are ours as they are."""
+  t = "mamba2"
+  f = lambda name: _field(config, name, t)  # noqa: E731
+  _silu(config, t)
+  F, n, P = f("hidden_size"), f("num_heads"), f("head_dim")
+  if n * P != int(f("expand") * F):
+    raise ValueError(f"{_FN}: {t} with num_heads·head_dim = {n}·{P} != expand·hidden_size = "
+                     f"{f('expand')}·{F}.")
+  bias, conv_bias = f("use_bias"), f("use_conv_bias")
+
+  def build(**settings):
+    return Mamba2Mixer(F, num_heads=n, head_dim=P, state_size=f("state_size"),
+                       n_groups=f("n_groups"), conv_size=f("conv_kernel"),
+                       use_conv_bias=conv_bias, use_bias=bias,
+                       norm_eps=f("layer_norm_epsilon"),
+                       time_step_limit=tuple(config.get("time_step_limit", (0.0, math.inf))),
+                       **settings)
+
+  rows = [Row("in_proj.weight", "in_proj.kernel", "linear"),
+          Row("conv1d.weight", "conv.kernel", "conv"),
+          Row("dt_bias", "dt_bias"), Row("A_log", "A_log"), Row("D", "D"),
+          Row("norm.weight", "norm.scale"),
+          Row("out_proj.weight", "out_proj.kernel", "linear")]
+  rows += [Row("conv1d.bias", "conv.bias")] if conv_bias else []
+  rows += [Row(f"{x}_proj.bias", f"{x}_proj.bias") for x in ("in", "out")] if bias else []
+  return Plan(build, f"backbone.layers.{index}.mixer.", tuple(rows))
+
+
+def _lfm2(config: Mapping[str, Any], index: int) -> Plan:
+  """LFM2's gated short convolution (its ``"conv"`` layers)."""
+  t = "lfm2"
+  _kind(config, index, t, "conv")
+  bias = bool(config.get("conv_bias", False))
+
+  def build(**settings):
+    return ShortConvMixer(_field(config, "hidden_size", t),
+                          conv_size=_field(config, "conv_L_cache", t), use_bias=bias, **settings)
+
+  rows = [Row("in_proj.weight", "in_proj.kernel", "linear"),
+          Row("conv.weight", "conv.kernel", "conv"),
+          Row("out_proj.weight", "out_proj.kernel", "linear")]
+  rows += [Row(f"{x}.bias", f"{x}.bias") for x in ("in_proj", "conv", "out_proj")] if bias else []
+  return Plan(build, f"model.layers.{index}.conv.", tuple(rows))
+
+
+PLANS: Mapping[str, Callable[[Mapping[str, Any], int], Plan]] = {
+    "qwen3_next": _qwen3_next,
+    "kimi_linear": _kimi_linear,
+    "mamba2": _mamba2,
+    "lfm2": _lfm2,
+}
+
+
+def _config_value(obj: dict) -> Any:
+  """JSON as transformers writes it: ``{"__float__": "Infinity"}`` for an infinite float."""
+  return float(obj["__float__"]) if set(obj) == {"__float__"} else obj
+
+
+def _tensor_files(checkpoint: str) -> dict[str, str]:
+  """Every tensor's name -> the safetensors file that holds it."""
+  index = os.path.join(checkpoint, "model.safetensors.index.json")
+  if os.path.exists(index):
+    with open(index) as f:
+      weight_map = json.load(f)["weight_map"]
+    return {name: os.path.join(checkpoint, file) for name, file in weight_map.items()}
+  single = os.path.join(checkpoint, "model.safetensors")
+  if not os.path.exists(single):
+    raise ValueError(f"{_FN}: {checkpoint!r} has neither model.safetensors nor "
+                     "model.safetensors.index.json.")
+  from safetensors import safe_open
+  with safe_open(single, framework="flax") as f:
+    return dict.fromkeys(f.keys(), single)
+
+
+def _torch_shape(param_shape: tuple[int, ...], layout: str) -> tuple[int, ...]:
+  """The checkpoint layout of a parameter of ``param_shape`` (before any split)."""
+  if layout == "linear":
+    return param_shape[::-1]
+  if layout == "conv":
+    return (param_shape[1], 1, param_shape[0])
+  return param_shape
+
+
+def _split(tensor: jax.Array, row: Row) -> list[jax.Array]:
+  """``tensor`` cut along its first axis into ``row.parts``, gathered over ``row.groups``."""
+  if row.parts is None:
+    return [tensor]
+  runs = tensor.reshape((row.groups, sum(row.parts)) + tensor.shape[1:])
+  bounds = np.cumsum((0,) + row.parts)
+  return [runs[:, a:z].reshape((-1,) + tensor.shape[1:])
+          for a, z in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+def _laid_out(tensor: jax.Array, layout: str) -> jax.Array:
+  if layout == "linear":
+    return tensor.T
+  if layout == "conv":
+    return tensor[:, 0, :].T
+  return tensor
+
+
+def _variable(module: nnx.Module, path: str) -> nnx.Variable:
+  target = module
+  for part in path.split("."):
+    target = getattr(target, part)
+  return target
+
+
+def load_transformers_layer(checkpoint: str | os.PathLike, layer_index: int, *,
+                            part: str | None = None, dtype: Dtype | None = None,
+                            param_dtype: Dtype | None = None,
+                            rngs: nnx.Rngs | None = None) -> nnx.Module:
+  """The token mixer of decoder layer ``layer_index`` of a transformers checkpoint.
+
+  ``layer(x)``, with ``x [B, T, F]`` the hidden states transformers passes into that
+  submodule, returns its output; the module decodes (``init_cache``, ``decode=True``)
+  and takes ``segment_ids`` like every layer here. The model types and the module each
+  loads (:data:`PLANS`; the tables are on the docs site):
+
+  ============= ============================================ =========================
+  model type    layer (transformers)                         module
+  ============= ============================================ =========================
+  qwen3_next    ``linear_attn`` (``Qwen3NextGatedDeltaNet``) ``RecurrentMixer``
+                                                             (``gated_deltanet``)
+  kimi_linear   ``self_attn`` (``KimiDeltaAttention``)       ``RecurrentMixer`` (``kda``)
+  mamba2        ``mixer`` (``Mamba2Mixer``)                  :class:`Mamba2Mixer`
+  lfm2          ``conv`` (``Lfm2ShortConv``)                 :class:`ShortConvMixer`
+  ============= ============================================ =========================
+
+  The config decides every option (head counts, groups, widths, eps, ``time_step_limit``).
+
+  Args:
+    checkpoint: a directory with ``config.json`` and ``model.safetensors`` (or
+      ``model.safetensors.index.json`` and its shards).
+    layer_index: the decoder layer, from 0.
+    part: ``"recurrent"`` (the default): the layer's recurrent token mixer.
+    dtype: the module's computation dtype (default: its inputs').
+    param_dtype: the parameters' dtype (default: each tensor's, as stored: bfloat16,
+      float16 or float32).
+    rngs: unused randomness for the module's construction (every parameter is read
+      from the checkpoint); default ``nnx.Rngs(0)``.
+
+  Raises:
+    ValueError: for a model type or layer kind it does not load, a layer index out of
+      range, a missing tensor, a tensor of the wrong shape (naming it and both shapes),
+      or a tensor of that layer left unread.
+
+  Examples:
+    >>> layer = nn.load_transformers_layer("tests/fixtures/transformers/mamba2", 0)
+    >>> type(layer).__name__, layer.num_heads, layer.n_groups
+    ('Mamba2Mixer', 4, 2)
+  """
+  checkpoint = os.fspath(checkpoint)
+  part = "recurrent" if part is None else part
+  if part not in ("recurrent", "attention"):
+    raise ValueError(f"{_FN}: part must be 'recurrent' or 'attention'; got {part!r}.")
+  path = os.path.join(checkpoint, "config.json")
+  if not os.path.exists(path):
+    raise ValueError(f"{_FN}: no config.json in {checkpoint!r}.")
+  with open(path) as f:
+    config = json.load(f, object_hook=_config_value)
+  model_type = config.get("model_type")
+  if model_type not in PLANS:
+    raise ValueError(f"{_FN}: model type {model_type!r} is not one it loads; it loads "
+                     f"{sorted(PLANS)}.")
+  if part == "attention":
+    raise ValueError(f"{_FN}: part='attention': {model_type}'s layers load their recurrent "
+                     "token mixer only.")
+  layers = config.get("num_hidden_layers")
+  if not isinstance(layer_index, int) or not 0 <= layer_index < (layers or 0):
+    raise ValueError(f"{_FN}: layer_index={layer_index!r} is out of range for the {layers} "
+                     f"layers of this {model_type} checkpoint.")
+  plan = PLANS[model_type](config, layer_index)
+  files = _tensor_files(checkpoint)
+  module = nnx.eval_shape(lambda rngs: plan.build(dtype=dtype, rngs=rngs,
+                                                  param_dtype=param_dtype or jnp.float32),
+                          rngs or nnx.Rngs(0))
+  mine = sorted(n for n in files if n.startswith(plan.prefix))
+  wanted = [plan.prefix + row.name for row in plan.rows]
+  missing = [n for n in wanted if n not in files]
+  if missing:
+    raise ValueError(f"{_FN}: the checkpoint lacks {missing} for layer {layer_index}'s "
+                     f"{model_type} token mixer.")
+  unread = [n for n in mine if n not in wanted]
+  if unread:
+    raise ValueError(f"{_FN}: layer {layer_index}'s tensors {unread} are not read by the "
+                     f"{model_type} table; they would be ignored.")
+  from safetensors import safe_open
+  params = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(module, nnx.Param))}
+  for row in plan.rows:
+    name = plan.prefix + row.name
+    with safe_open(files[name], framework="flax") as f:
+      tensor = f.get_tensor(name)
+    ours = (row.ours,) if isinstance(row.ours, str) else row.ours
+    variables = [_variable(module, p) for p in ours]
+    shapes = [_torch_shape(tuple(v.get_value().shape), row.layout) for v in variables]
+    want = (sum(s[0] for s in shapes),) + shapes[0][1:] if row.parts else shapes[0]
+    if row.layout == "copy" and math.prod(tensor.shape) == math.prod(want):
+      tensor = tensor.reshape(want)  # Kimi's A_log [1, 1, N, 1] is our [N].
+    if tuple(tensor.shape) != want:
+      raise ValueError(f"{_FN}: tensor {name} has shape {tuple(tensor.shape)}; the "
+                       f"{model_type} config implies {want} (for {', '.join(ours)}).")
+    for variable, piece, p in zip(variables, _split(tensor, row), ours, strict=True):
+      value = _laid_out(piece, row.layout)
+      variable.set_value(value.astype(param_dtype) if param_dtype else value)
+      params.discard(p)
+  if params:  # A table that leaves a parameter unset is a bug of the table, not the user's.
+    raise AssertionError(f"{_FN}: the {model_type} table sets no value for {sorted(params)}.")
+  return module
