@@ -94,6 +94,12 @@ from linattn_jax._src.registry import (
     get_spec,
     register_attention,
 )
+from linattn_jax._src.selective_scan import (
+    SelectiveState,
+    selective_scan,
+    selective_scan_reference,
+    selective_scan_step,
+)
 from linattn_jax._src.softmax import softmax_attention
 from linattn_jax._src.sparse import (
     LocalState,
@@ -177,6 +183,10 @@ __all__ = [
     "PerformerState",
     "register_attention",
     "Role",
+    "selective_scan",
+    "selective_scan_reference",
+    "selective_scan_step",
+    "SelectiveState",
     "softmax_attention",
     "softmax_attention_reference",
     "StreamingSpec",

@@ -8,7 +8,7 @@ from linattn_jax._src.nn.loading import load_transformers_layer
 from linattn_jax._src.nn.mixers import Recipe, RecurrentMixer, token_mixer, token_mixer_names
 from linattn_jax._src.nn.parts import GatedRMSNorm, LowRank, ShortConvolution, TokenShift
 from linattn_jax._src.nn.rwkv7 import RWKV7TimeMixer
-from linattn_jax._src.nn.state_space import Mamba2Mixer, ShortConvMixer
+from linattn_jax._src.nn.state_space import Mamba2Mixer, MambaMixer, ShortConvMixer
 from linattn_jax._src.registry import CacheKind
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "KVCache",
     "LowRank",
     "Mamba2Mixer",
+    "MambaMixer",
     "MultiHeadAttention",
     "RWKV7TimeMixer",
     "Recipe",

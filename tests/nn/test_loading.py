@@ -22,9 +22,9 @@ from safetensors.numpy import load_file, save_file
 from linattn_jax import nn
 
 FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "transformers"
-MODEL_TYPES = ("qwen3_next", "kimi_linear", "mamba2", "lfm2")
+MODEL_TYPES = ("qwen3_next", "kimi_linear", "mamba", "mamba2", "lfm2")
 MODULES = {"qwen3_next": "RecurrentMixer", "kimi_linear": "RecurrentMixer",
-           "mamba2": "Mamba2Mixer", "lfm2": "ShortConvMixer"}
+           "mamba": "MambaMixer", "mamba2": "Mamba2Mixer", "lfm2": "ShortConvMixer"}
 
 
 def _layers(folder: str) -> list[int]:
@@ -162,7 +162,7 @@ def test_what_does_not_fit_the_table_is_refused_by_name(tmp_path):
   config = json.loads((unknown / "config.json").read_text())
   (unknown / "config.json").write_text(json.dumps(config | {"model_type": "llama"}))
   with pytest.raises(ValueError, match=r"model type 'llama' is not one it loads; it loads "
-                     r"\['kimi_linear', 'lfm2', 'mamba2', 'qwen3_next'\]"):
+                     r"\['kimi_linear', 'lfm2', 'mamba', 'mamba2', 'qwen3_next'\]"):
     load(unknown, 0)
 
   missing = _copy(tmp_path / "missing")

@@ -1,5 +1,6 @@
-"""``nn.Mamba2Mixer`` and ``nn.ShortConvMixer`` equal their layers written out here from the
-papers' formulas (Mamba-2's recurrence step by step, in float64), with every keyword at a
+"""``nn.MambaMixer``, ``nn.Mamba2Mixer`` and ``nn.ShortConvMixer`` equal their layers
+written out here from the papers' formulas (the recurrences stepped by hand, in float64),
+with every keyword at a
 non-default value, eagerly and under jit; their parameter tables name every parameter;
 bad settings raise. (The released layers themselves judge them too: test_loading.py.)"""
 
@@ -64,6 +65,25 @@ def _mamba2_reference(m, x):
   return y @ p("out_proj.kernel") + (p("out_proj.bias") if m.out_proj.bias is not None else 0)
 
 
+def _mamba_reference(m, x):
+  """Mamba-1, the recurrence stepped per token in float64."""
+  E, S, R = m.intermediate_size, m.state_size, m.time_step_rank
+  p = lambda path: _p(m, path)  # noqa: E731
+  bias = lambda name: p(f"{name}.bias") if getattr(m, name).bias is not None else 0  # noqa: E731
+  u, z = np.split(x @ p("in_proj.kernel") + bias("in_proj"), 2, -1)
+  u = _silu(_conv(u, p("conv.kernel"), p("conv.bias") if m.conv.bias is not None else None))
+  proj = u @ p("x_proj.kernel")
+  delta, b, c = proj[..., :R], proj[..., R:R + S], proj[..., R + S:]
+  dt = np.log1p(np.exp(delta @ p("dt_proj.kernel") + p("dt_proj.bias")))  # [B, T, E]
+  A = -np.exp(p("A_log"))
+  h = np.zeros((B, E, S))
+  y = np.zeros((B, T, E))
+  for t in range(T):
+    h = np.exp(dt[:, t, :, None] * A) * h + (dt[:, t] * u[:, t])[..., None] * b[:, t, None]
+    y[:, t] = np.einsum("bes,bs->be", h, c[:, t]) + p("D") * u[:, t]
+  return (y * _silu(z)) @ p("out_proj.kernel") + bias("out_proj")
+
+
 def _short_conv_reference(m, x):
   p = lambda path: _p(m, path)  # noqa: E731
   bias = lambda name: p(f"{name}.bias") if getattr(m, name).bias is not None else 0  # noqa: E731
@@ -78,12 +98,16 @@ MAMBA2 = dict(num_heads=4, head_dim=4, state_size=3, n_groups=2, conv_size=3,
               use_conv_bias=False, use_bias=True, norm_eps=1e-3, time_step_limit=(0.01, 0.5),
               attention_options={"implementation": "scan"}, param_dtype=jnp.float32,
               dtype=jnp.float32, precision="highest", kernel_init=_NORMAL)
+MAMBA = dict(intermediate_size=24, state_size=3, conv_size=3, time_step_rank=2,
+             use_conv_bias=False, use_bias=True, chunk_size=4, implementation="scan",
+             param_dtype=jnp.float32, dtype=jnp.float32, precision="highest", kernel_init=_NORMAL)
 SHORT_CONV = dict(conv_size=4, use_bias=True, param_dtype=jnp.float32, dtype=jnp.float32,
                   precision="highest", kernel_init=_NORMAL)
 
 
 def test_every_keyword_has_a_non_default_value_here():
-  for cls, given in ((nn.Mamba2Mixer, MAMBA2), (nn.ShortConvMixer, SHORT_CONV)):
+  for cls, given in ((nn.MambaMixer, MAMBA), (nn.Mamba2Mixer, MAMBA2),
+                     (nn.ShortConvMixer, SHORT_CONV)):
     params = inspect.signature(cls.__init__).parameters
     missing = [p for p in params if p not in set(given) | {"self", "hidden_size", "rngs"}]
     assert not missing, f"{cls.__name__}: no non-default value for {missing}"
@@ -95,14 +119,15 @@ def _with_drawn_biases(m):
   """Biases start at zero: draw them, and a D and dt_bias away from their initial values."""
   key = iter(jax.random.split(jax.random.key(3), 8))
   for path, var in nnx.to_flat_state(nnx.state(m, nnx.Param)):
-    if path[-1] in ("bias", "D", "scale"):
+    if path[-1] in ("bias", "D", "scale") and path[0] != "dt_proj":
       var.set_value(var.get_value() + 0.3 * jax.random.normal(next(key), var.get_value().shape))
   return m
 
 
 @pytest.mark.parametrize("cls, kw, reference", [
+    (nn.MambaMixer, MAMBA, _mamba_reference),
     (nn.Mamba2Mixer, MAMBA2, _mamba2_reference),
-    (nn.ShortConvMixer, SHORT_CONV, _short_conv_reference)], ids=["mamba2", "short_conv"])
+    (nn.ShortConvMixer, SHORT_CONV, _short_conv_reference)], ids=["mamba", "mamba2", "short_conv"])
 def test_equals_its_formulas_eagerly_and_under_jit(cls, kw, reference):
   m = _with_drawn_biases(cls(F, rngs=nnx.Rngs(1), **kw))
   x = jax.random.normal(jax.random.key(0), (B, T, F))
@@ -111,10 +136,12 @@ def test_equals_its_formulas_eagerly_and_under_jit(cls, kw, reference):
   np.testing.assert_allclose(nnx.jit(lambda m, x: m(x))(m, x), want, atol=2e-5, rtol=2e-5)
 
 
-def test_mamba2_parameter_table_names_every_parameter():
-  m = nn.Mamba2Mixer(F, rngs=nnx.Rngs(0), **(MAMBA2 | {"use_conv_bias": True}))
+@pytest.mark.parametrize("cls, kw", [(nn.MambaMixer, MAMBA), (nn.Mamba2Mixer, MAMBA2)],
+                         ids=["mamba", "mamba2"])
+def test_the_parameter_tables_name_every_parameter(cls, kw):
+  m = cls(F, rngs=nnx.Rngs(0), **(kw | {"use_conv_bias": True}))
   params = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(m, nnx.Param))}
-  rows = set(re.findall(r"^\s*``([\w.]+)``\s+\[", nn.Mamba2Mixer.__doc__, flags=re.M))
+  rows = set(re.findall(r"^\s*``([\w.]+)``\s+\[", cls.__doc__, flags=re.M))
   assert params == rows
   m = nn.ShortConvMixer(F, rngs=nnx.Rngs(0), **SHORT_CONV)
   params = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(m, nnx.Param))}
@@ -135,5 +162,9 @@ def test_bad_settings_raise_value_errors_naming_them():
   with pytest.raises(ValueError, match=r"decode=True needs a cache"):
     nn.Mamba2Mixer(F, num_heads=4, head_dim=4, rngs=nnx.Rngs(0))(jnp.zeros((1, 2, F)),
                                                                   decode=True)
+  with pytest.raises(ValueError, match=r"implementation must be one of"):
+    nn.MambaMixer(F, implementation="chunked", rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"decode=True needs a cache"):
+    nn.MambaMixer(F, rngs=nnx.Rngs(0))(jnp.zeros((1, 2, F)), decode=True)
   with pytest.raises(ValueError, match=r"group_size=3 must divide features=4"):
     nn.GatedRMSNorm(4, group_size=3, rngs=nnx.Rngs(0))

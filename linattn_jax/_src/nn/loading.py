@@ -26,7 +26,7 @@ from flax import nnx
 from flax.typing import Dtype
 
 from linattn_jax._src.nn.mixers import RecurrentMixer
-from linattn_jax._src.nn.state_space import Mamba2Mixer, ShortConvMixer
+from linattn_jax._src.nn.state_space import Mamba2Mixer, MambaMixer, ShortConvMixer
 
 _FN = "load_transformers_layer"
 
@@ -174,6 +174,33 @@ def _mamba2(config: Mapping[str, Any], index: int) -> Plan:
   return Plan(build, f"backbone.layers.{index}.mixer.", tuple(rows))
 
 
+def _mamba(config: Mapping[str, Any], index: int) -> Plan:
+  """Mamba-1: ``in_proj`` is ``[x | z]``, ``x_proj`` ``[δ | B | C]``, ``dt_proj`` holds Δ's
+  bias; ours in the same layout."""
+  t = "mamba"
+  f = lambda name: _field(config, name, t)  # noqa: E731
+  _silu(config, t)
+  bias, conv_bias = f("use_bias"), f("use_conv_bias")
+
+  def build(**settings):
+    return MambaMixer(f("hidden_size"), intermediate_size=f("intermediate_size"),
+                      state_size=f("state_size"), conv_size=f("conv_kernel"),
+                      time_step_rank=None if f("time_step_rank") == "auto" else
+                      f("time_step_rank"), use_conv_bias=conv_bias,
+                      use_bias=bias, **settings)
+
+  rows = [Row("in_proj.weight", "in_proj.kernel", "linear"),
+          Row("conv1d.weight", "conv.kernel", "conv"),
+          Row("x_proj.weight", "x_proj.kernel", "linear"),
+          Row("dt_proj.weight", "dt_proj.kernel", "linear"),
+          Row("dt_proj.bias", "dt_proj.bias"),
+          Row("A_log", "A_log"), Row("D", "D"),
+          Row("out_proj.weight", "out_proj.kernel", "linear")]
+  rows += [Row("conv1d.bias", "conv.bias")] if conv_bias else []
+  rows += [Row(f"{x}_proj.bias", f"{x}_proj.bias") for x in ("in", "out")] if bias else []
+  return Plan(build, f"backbone.layers.{index}.mixer.", tuple(rows))
+
+
 def _lfm2(config: Mapping[str, Any], index: int) -> Plan:
   """LFM2's gated short convolution (its ``"conv"`` layers)."""
   t = "lfm2"
@@ -194,6 +221,7 @@ def _lfm2(config: Mapping[str, Any], index: int) -> Plan:
 PLANS: Mapping[str, Callable[[Mapping[str, Any], int], Plan]] = {
     "qwen3_next": _qwen3_next,
     "kimi_linear": _kimi_linear,
+    "mamba": _mamba,
     "mamba2": _mamba2,
     "lfm2": _lfm2,
 }
@@ -271,6 +299,7 @@ def load_transformers_layer(checkpoint: str | os.PathLike, layer_index: int, *,
   qwen3_next    ``linear_attn`` (``Qwen3NextGatedDeltaNet``) ``RecurrentMixer``
                                                              (``gated_deltanet``)
   kimi_linear   ``self_attn`` (``KimiDeltaAttention``)       ``RecurrentMixer`` (``kda``)
+  mamba         ``mixer`` (``MambaMixer``)                   :class:`MambaMixer`
   mamba2        ``mixer`` (``Mamba2Mixer``)                  :class:`Mamba2Mixer`
   lfm2          ``conv`` (``Lfm2ShortConv``)                 :class:`ShortConvMixer`
   ============= ============================================ =========================

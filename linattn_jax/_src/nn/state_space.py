@@ -4,13 +4,16 @@
   with grouped value heads (``C`` as queries, ``B`` as keys, ``Δ·x`` as values, ``Δ·A``
   as each head's log-decay, scale 1) plus the ``D`` skip, so it decodes, packs and
   splits over devices as every recurrence here does.
+- :class:`MambaMixer`: Mamba-1's mixer around the selective scan
+  (:func:`~linattn_jax.selective_scan`), a diagonal state per channel.
 - :class:`ShortConvMixer`: LFM2's gated short convolution ``C ⊙ conv(B ⊙ x)``.
 
-Letters: B batch, T length, F model width, I the inner width (``nheads·P``), G groups of
-B and C, S the state size per group (d_state), P a head's channels (head_dim), W the
-convolution width.
+Letters: B batch, T length, F model width, I the inner width (``nheads·P``; Mamba-1's
+``d_inner`` E), G groups of B and C, S the state size per group (d_state), P a head's
+channels (head_dim), R Δ's low rank, W the convolution width.
 
 References:
+  Gu and Dao, "Mamba: Linear-Time Sequence Modeling with Selective State Spaces", 2023.
   Dao and Gu, "Transformers are SSMs: Generalized Models and Efficient Algorithms
   Through Structured State Space Duality" (Mamba-2), 2024. Liquid AI, LFM2, 2025.
 """
@@ -37,6 +40,7 @@ from linattn_jax._src.nn.parts import (
     expand_to,
 )
 from linattn_jax._src.registry import get_spec
+from linattn_jax._src.selective_scan import SelectiveState, selective_scan
 
 
 class Mamba2Mixer(nnx.Module):
@@ -196,6 +200,143 @@ class Mamba2Mixer(nnx.Module):
     y = y.astype(f32) + u.astype(f32) * expand_to(self.D.get_value().astype(f32)[:, None], u)
     y = self.norm(y.reshape(B, T, I).astype(self.dtype or x.dtype), z)
     return self.out_proj(y)
+
+
+class MambaMixer(nnx.Module):
+  """Mamba-1's token mixer: the selective scan over E channels, each with a state of S.
+
+  From ``x [B, T, F]``: ``in_proj(x) = [u | z]`` (E each); ``u ← silu(conv(u))`` (causal
+  depthwise, width W, with bias); ``x_proj(u) = [δ (R) | B (S) | C (S)]``;
+  ``Δ = softplus(dt_proj(δ))`` ``[B, T, E]`` (``dt_proj`` has the bias); ``A = -exp(A_log)``
+  ``[E, S]``; ``y = selective_scan(u, Δ, A, B, C, D)``; ``out = out_proj(y ⊙ silu(z))``.
+
+  The parameters, with their names in transformers' ``MambaMixer``:
+
+  =================== ============= ======================
+  ours                shape         transformers
+  =================== ============= ======================
+  ``in_proj.kernel``  [F, 2E]       ``in_proj.weight``
+  ``in_proj.bias``    [2E]          ``in_proj.bias`` (``use_bias``)
+  ``conv.kernel``     [W, E]        ``conv1d.weight``
+  ``conv.bias``       [E]           ``conv1d.bias`` (``use_conv_bias``)
+  ``x_proj.kernel``   [E, R + 2S]   ``x_proj.weight``
+  ``dt_proj.kernel``  [R, E]        ``dt_proj.weight``
+  ``dt_proj.bias``    [E]           ``dt_proj.bias``
+  ``A_log``           [E, S]        ``A_log``
+  ``D``               [E]           ``D``
+  ``out_proj.kernel`` [E, F]        ``out_proj.weight``
+  ``out_proj.bias``   [F]           ``out_proj.bias`` (``use_bias``)
+  =================== ============= ======================
+
+  Args:
+    hidden_size: F.
+    intermediate_size: E (default 2F).
+    state_size: S.
+    conv_size: W.
+    time_step_rank: R (default ``ceil(F / 16)``).
+    use_conv_bias: the convolution's bias.
+    use_bias: the in- and out-projections' biases.
+    chunk_size: the scan's chunk length (:func:`~linattn_jax.selective_scan`).
+    implementation: the scan's form.
+    dtype, param_dtype, precision, kernel_init: the projections' settings, as in
+      ``flax.nnx.Linear``.
+    rngs: ``params`` draws the weights (``A_log = log(1..S)`` per channel, ``dt_proj.bias``
+      the inverse softplus of a log-uniform Δ in [0.001, 0.1], ``D`` ones).
+
+  Raises:
+    ValueError: for sizes that are not positive or inputs that are not ``[B, T, F]``.
+
+  Examples:
+    >>> mixer = nn.MambaMixer(16, state_size=4, rngs=nnx.Rngs(0))
+    >>> mixer.A_log.shape, mixer.x_proj.kernel.shape  # [E, S], [E, R + 2S]
+    ((32, 4), (32, 9))
+    >>> x = jax.random.normal(jax.random.key(0), (1, 6, 16))
+    >>> full = mixer(x)
+    >>> mixer.init_cache(x.shape)
+    >>> steps = jnp.concatenate([mixer(x[:, :5], decode=True), mixer(x[:, 5:], decode=True)], 1)
+    >>> bool(jnp.allclose(steps, full, atol=1e-5))
+    True
+
+  References:
+    Gu and Dao, "Mamba: Linear-Time Sequence Modeling with Selective State Spaces", 2023.
+  """
+
+  def __init__(self, hidden_size: int, *, intermediate_size: int | None = None,
+               state_size: int = 16, conv_size: int = 4, time_step_rank: int | None = None,
+               use_conv_bias: bool = True, use_bias: bool = False,
+               chunk_size: int | None = None, implementation: str | None = None,
+               dtype: Dtype | None = None, param_dtype: Dtype = jnp.float32,
+               precision: PrecisionLike = None,
+               kernel_init: Initializer = DEFAULT_KERNEL_INIT, rngs: nnx.Rngs):
+    fn = "MambaMixer"
+    positive = lambda v, name: checks.check_positive_int(v, name=name, fn=fn)  # noqa: E731
+    F = self.hidden_size = positive(hidden_size, "hidden_size")
+    E = self.intermediate_size = 2 * F if intermediate_size is None else positive(
+        intermediate_size, "intermediate_size")
+    S = self.state_size = positive(state_size, "state_size")
+    R = self.time_step_rank = math.ceil(F / 16) if time_step_rank is None else positive(
+        time_step_rank, "time_step_rank")
+    self.scan_options = {"chunk_size": chunk_size, "implementation": implementation}
+    selective_scan(jnp.zeros((1, 1, 1)), jnp.zeros((1, 1, 1)), jnp.zeros((1, 1)),
+                   jnp.zeros((1, 1, 1, 1)), jnp.zeros((1, 1, 1, 1)),
+                   **self.scan_options)  # A bad option raises here, naming it.
+    self.dtype = dtype
+    linear = lambda i, o, bias, **kw: nnx.Linear(  # noqa: E731
+        i, o, use_bias=bias, dtype=dtype, param_dtype=param_dtype, precision=precision,
+        rngs=rngs, **({"kernel_init": kernel_init} | kw))
+    self.in_proj = linear(F, 2 * E, use_bias)
+    self.conv = ShortConvolution(E, conv_size, use_bias=use_conv_bias, dtype=dtype,
+                                 param_dtype=param_dtype, rngs=rngs)
+    self.x_proj = linear(E, R + 2 * S, False)
+    _, dt_bias = mamba2_decay_init(rngs, (1,), (E,), param_dtype)
+    bound = R ** -0.5
+    self.dt_proj = linear(R, E, True, kernel_init=nnx.initializers.uniform(2 * bound),
+                          bias_init=lambda *_: dt_bias)
+    self.dt_proj.kernel.set_value(self.dt_proj.kernel.get_value() - bound)  # U(±R^-½).
+    self.A_log = nnx.Param(jnp.log(jnp.broadcast_to(jnp.arange(1, S + 1, dtype=jnp.float32),
+                                                    (E, S))).astype(param_dtype))
+    self.D = nnx.Param(jnp.ones((E,), param_dtype))
+    self.out_proj = linear(E, F, use_bias)
+    self.cache = self.cache_id = nnx.data(None)
+
+  def init_cache(self, input_shape: Shape, dtype: Dtype = jnp.float32) -> None:
+    """An empty decode cache for inputs ``(B, C, F)``: the scan's float32 state
+    ``[B, E, S]``, the last decoded token's document id, and the convolution's last
+    ``W - 1`` inputs in ``dtype``."""
+    B = input_shape[0]
+    self.cache = nnx.Cache(SelectiveState(jnp.zeros((B, self.intermediate_size,
+                                                     self.state_size), jnp.float32)))
+    self.cache_id = nnx.Cache(jnp.zeros((B,), jnp.int32))
+    self.conv.init_cache(input_shape, self.dtype or dtype)
+
+  def __call__(self, x: jax.Array, *, decode: bool = False,
+               segment_ids: jax.Array | None = None) -> jax.Array:
+    """Mixes ``x [B, T, F]`` causally -> ``[B, T, F]`` (``decode``, ``segment_ids``: as
+    :class:`Mamba2Mixer`)."""
+    fn = "MambaMixer"
+    ids = check_inputs(x, self.hidden_size, segment_ids, fn=fn)
+    if decode and self.cache is None:
+      raise ValueError(f"{fn}: decode=True needs a cache: call init_cache first.")
+    B, T, _ = x.shape
+    S, R = self.state_size, self.time_step_rank
+    u, z = jnp.split(self.in_proj(x), 2, axis=-1)
+    u = self.conv(u, decode=decode, segment_ids=ids)  # With its SiLU.
+    delta, b, c = jnp.split(self.x_proj(u), [R, R + S], axis=-1)
+    dt = jax.nn.softplus(self.dt_proj(delta).astype(jnp.float32))
+    A = -jnp.exp(self.A_log.get_value().astype(jnp.float32))
+    state = None
+    if decode:
+      state, last = self.cache.get_value(), self.cache_id.get_value()
+      if ids is None:  # The tokens continue the last one's document.
+        ids = jnp.broadcast_to(last[:, None], (B, T))
+      state = SelectiveState(jnp.where((ids[:, 0] == last)[:, None, None], state.h, 0.0))
+    y, state = selective_scan(u, dt.astype(u.dtype), A, b[:, :, None], c[:, :, None],
+                              self.D.get_value().astype(jnp.float32), segment_ids=ids,
+                              initial_state=state, return_state=True, **self.scan_options)
+    if decode:
+      self.cache.set_value(state)
+      self.cache_id.set_value(ids[:, -1])
+    return self.out_proj(y * jax.nn.silu(z))
 
 
 class ShortConvMixer(nnx.Module):
