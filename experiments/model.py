@@ -60,7 +60,8 @@ class Block(nnx.Module):
       h = self.short_conv(h, decode=decode, segment_ids=segment_ids)
     if isinstance(self.attn, nn.RWKV7TimeMixer):
       h, v_first = self.attn(h, v_first, decode=decode, segment_ids=segment_ids)
-    elif isinstance(self.attn, nn.RecurrentMixer):
+    elif isinstance(self.attn, nn.RecurrentMixer | nn.MambaMixer | nn.Mamba2Mixer
+                    | nn.ShortConvMixer):
       h = self.attn(h, decode=decode, segment_ids=segment_ids)
     else:  # An attention layer (or one standing in for it, as experiments.model_step's).
       h = self.attn(h, is_causal=causal, decode=decode, key_value_seq_lengths=lengths,

@@ -99,8 +99,9 @@ _PACK = flags.DEFINE_bool(
 _LAYER_PATTERN = flags.DEFINE_list(
     "layer_pattern", ["attention"], "What each layer mixes tokens with, cycled over the "
     "layers: 'attention' (--attention) or a token mixer's name (linattn_jax.nn."
-    "token_mixer_names(): gated_deltanet, kda, gla, simple_gla, retnet, deltanet, rwkv7), "
-    "e.g. gated_deltanet,gated_deltanet,gated_deltanet,attention for Qwen3-Next's hybrid. "
+    "token_mixer_names(): gated_deltanet, kda, gla, simple_gla, retnet, deltanet, rwkv7, "
+    "mamba, mamba2, lfm2), e.g. gated_deltanet,gated_deltanet,gated_deltanet,attention for "
+    "Qwen3-Next's hybrid, mamba2,mamba2,mamba2,attention for a Nemotron-H-like one. "
     "Mixers are causal (decoders).")
 _MIXER_OPTIONS = flags.DEFINE_string(
     "mixer_options", "", "Options of every token mixer, as --attention_options, e.g. "

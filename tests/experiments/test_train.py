@@ -331,7 +331,7 @@ def parse_flags():
     ("--context_parallel=3", "--context_parallel=3 must divide the 8 local devices"),
     ("--task=listops --short_conv=2", "--short_conv is causal"),
     ("--task=mqar --pack", "--pack: --task=mqar has no documents to pack"),
-    ("--layer_pattern=mamba,attention", "['mamba'] are neither 'attention' nor a token mixer"),
+    ("--layer_pattern=mamba3,attention", "['mamba3'] are neither 'attention' nor a token mixer"),
     ("--task=listops --layer_pattern=kda", "token mixers are causal"),
     ("--layer_pattern=kda --mixer_options=chunk_size=4", "unexpected keyword argument"),
 ])
@@ -416,8 +416,8 @@ def test_compare_defaults_apply_to_the_entries_that_run():
     compare.entry_options(["softmax"], '{"local": {"window_size": [4, 0]}}')
 
 
-@pytest.mark.parametrize("pattern", [("attention",), ("gated_deltanet", "rwkv7", "rwkv7",
-                                                     "attention")], ids=["attention", "hybrid"])
+@pytest.mark.parametrize("pattern", [("attention",), ("mamba2", "rwkv7", "rwkv7", "attention")],
+                         ids=["attention", "hybrid"])
 def test_decoding_with_a_short_convolution_equals_the_full_pass(pattern):
   """Through attention layers, and a hybrid of token mixers (RWKV-7's value residual passed
   from its first layer to the next) and an attention layer."""

@@ -384,7 +384,11 @@ def test_parts_equal_their_formulas(jit):
 
 
 def test_mixers_by_name_and_errors():
-  assert len(nn.token_mixer_names()) == 8
+  assert len(nn.token_mixer_names()) == 11
+  assert isinstance(nn.token_mixer("mamba", F, 4, rngs=nnx.Rngs(0)), nn.MambaMixer)
+  assert isinstance(nn.token_mixer("lfm2", F, 4, rngs=nnx.Rngs(0)), nn.ShortConvMixer)
+  wide = nn.token_mixer("mamba2", F, 4, head_dim=4, state_size=8, rngs=nnx.Rngs(0))
+  assert (wide.num_heads, wide.head_dim, wide.state_size) == (4, 4, 8)
   assert isinstance(nn.token_mixer("rwkv7", F, 4, rngs=nnx.Rngs(0)), nn.RWKV7TimeMixer)
   assert nn.token_mixer("kda", F, 4, rngs=nnx.Rngs(0)).recipe.attention == "kda"
   # layer_index and num_layers reach RWKV-7's initial values and its value residual.
@@ -395,8 +399,8 @@ def test_mixers_by_name_and_errors():
   np.testing.assert_array_equal(later(x, x)[0], same(x, x)[0])
   assert not np.allclose(_value(later, "x_r"), _value(nn.token_mixer("rwkv7", F, 4,
                                                                      rngs=nnx.Rngs(0)), "x_r"))
-  with pytest.raises(ValueError, match="unknown name='mamba'"):
-    nn.token_mixer("mamba", F, 4, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="unknown name='mamba3'"):
+    nn.token_mixer("mamba3", F, 4, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match=r"num_v_heads=3 must be a multiple of num_kv_heads=2"):
     nn.RecurrentMixer("gated_deltanet", F, 2, num_v_heads=3, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match=r"num_householder=2 and allow_neg_eigval=False act on "

@@ -45,6 +45,7 @@ from linattn_jax._src.nn.parts import (
     segment_positions,
 )
 from linattn_jax._src.nn.rwkv7 import RWKV7TimeMixer
+from linattn_jax._src.nn.state_space import Mamba2Mixer, MambaMixer, ShortConvMixer
 from linattn_jax._src.registry import Role, get_spec
 
 
@@ -467,9 +468,13 @@ def token_mixer(name: str, hidden_size: int, num_heads: int, *, layer_index: int
                 num_layers: int = 1, **options: Any) -> nnx.Module:
   """A paper's token mixer by name (one of :func:`token_mixer_names`), for inputs ``[B, T, F]``.
 
-  A :class:`RecurrentMixer` recipe, or ``"rwkv7"`` (:class:`RWKV7TimeMixer`, with
-  ``head_dim = hidden_size // num_heads``). ``layer_index`` and ``num_layers`` reach
-  RWKV-7 only (its value residual and initial values); ``options`` go to the class.
+  A :class:`RecurrentMixer` recipe; ``"rwkv7"`` (:class:`RWKV7TimeMixer`, with
+  ``head_dim = hidden_size // num_heads``); ``"mamba2"`` (:class:`Mamba2Mixer` with
+  ``num_heads`` heads of ``2·hidden_size // num_heads`` channels, Mamba-2's expand of 2);
+  ``"mamba"`` (:class:`MambaMixer`) and ``"lfm2"`` (:class:`ShortConvMixer`), which have
+  no heads: ``num_heads`` must still be given (the models' layer signature) and sizes
+  nothing there. ``layer_index`` and ``num_layers`` reach RWKV-7 only (its value residual
+  and initial values); ``options`` go to the class.
 
   Raises:
     ValueError: for an unknown name.
@@ -478,24 +483,34 @@ def token_mixer(name: str, hidden_size: int, num_heads: int, *, layer_index: int
     >>> mixer = nn.token_mixer("gla", 32, 4, rngs=nnx.Rngs(0))
     >>> type(mixer).__name__, mixer.recipe.attention
     ('RecurrentMixer', 'gla')
+    >>> nn.token_mixer("mamba2", 32, 4, rngs=nnx.Rngs(0)).head_dim  # 2·32 / 4
+    16
   """
+  checks.check_choice(name, name="name", choices=list(MIXERS), fn="token_mixer")
   if name == "rwkv7":
     return RWKV7TimeMixer(hidden_size, head_dim=hidden_size // num_heads,
                           layer_index=layer_index, num_layers=num_layers, **options)
-  checks.check_choice(name, name="name", choices=list(RECIPES) + ["rwkv7"], fn="token_mixer")
+  if name == "mamba2":
+    return Mamba2Mixer(hidden_size, **({"num_heads": num_heads,
+                                        "head_dim": 2 * hidden_size // num_heads} | options))
+  if name == "mamba":
+    return MambaMixer(hidden_size, **options)
+  if name == "lfm2":
+    return ShortConvMixer(hidden_size, **options)
   return RecurrentMixer(name, hidden_size, num_heads, **options)
 
 
-MIXERS: tuple[str, ...] = tuple(RECIPES) + ("rwkv7",)
+MIXERS: tuple[str, ...] = tuple(RECIPES) + ("rwkv7", "mamba", "mamba2", "lfm2")
 
 
 def token_mixer_names() -> tuple[str, ...]:
-  """The names :func:`token_mixer` takes: the :class:`RecurrentMixer` recipes and ``"rwkv7"``.
+  """The names :func:`token_mixer` takes: the :class:`RecurrentMixer` recipes, ``"rwkv7"``,
+  and the state-space and convolution mixers ``"mamba"``, ``"mamba2"`` and ``"lfm2"``.
 
   Takes no arrays.
 
   Examples:
     >>> print(*nn.token_mixer_names())
-    gated_deltanet gated_deltaproduct kda gla simple_gla retnet deltanet rwkv7
+    gated_deltanet gated_deltaproduct kda gla simple_gla retnet deltanet rwkv7 mamba mamba2 lfm2
   """
   return MIXERS
