@@ -22,9 +22,14 @@ from safetensors.numpy import load_file, save_file
 from linattn_jax import nn
 
 FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "transformers"
-MODEL_TYPES = ("qwen3_next", "kimi_linear", "mamba", "mamba2", "lfm2")
-MODULES = {"qwen3_next": "RecurrentMixer", "kimi_linear": "RecurrentMixer",
-           "mamba": "MambaMixer", "mamba2": "Mamba2Mixer", "lfm2": "ShortConvMixer"}
+MODULES = {"qwen3_next": "RecurrentMixer", "qwen3_5": "RecurrentMixer",
+           "olmo_hybrid": "RecurrentMixer", "kimi_linear": "RecurrentMixer",
+           "mamba": "MambaMixer", "falcon_mamba": "MambaMixer", "jamba": "MambaMixer",
+           "mamba2": "Mamba2Mixer", "bamba": "Mamba2Mixer", "granitemoehybrid": "Mamba2Mixer",
+           "nemotron_h": "Mamba2Mixer", "zamba2": "Mamba2Mixer", "lfm2": "ShortConvMixer"}
+MODEL_TYPES = tuple(MODULES)
+# Decoding and packing once per module kind (and Jamba's inner norms, Zamba2's hybrid layers).
+DECODED = ("qwen3_next", "kimi_linear", "jamba", "mamba2", "zamba2", "lfm2")
 
 
 def _layers(folder: str) -> list[int]:
@@ -88,7 +93,7 @@ PIECES = (4, 1, 4)
 IDS = np.array([[0] * 5 + [1] * 4, [3] * 9], np.int32)
 
 
-@pytest.mark.parametrize("model_type", MODEL_TYPES)
+@pytest.mark.parametrize("model_type", DECODED)
 def test_a_loaded_layer_decodes_and_packs_as_its_full_pass(model_type):
   i = _layers(model_type)[-1]
   layer = nn.load_transformers_layer(FIXTURES / model_type, i)
@@ -162,7 +167,7 @@ def test_what_does_not_fit_the_table_is_refused_by_name(tmp_path):
   config = json.loads((unknown / "config.json").read_text())
   (unknown / "config.json").write_text(json.dumps(config | {"model_type": "llama"}))
   with pytest.raises(ValueError, match=r"model type 'llama' is not one it loads; it loads "
-                     r"\['kimi_linear', 'lfm2', 'mamba', 'mamba2', 'qwen3_next'\]"):
+                     r"\['bamba', 'falcon_mamba', .*, 'zamba2'\]"):
     load(unknown, 0)
 
   missing = _copy(tmp_path / "missing")
@@ -184,3 +189,19 @@ def test_what_does_not_fit_the_table_is_refused_by_name(tmp_path):
   with pytest.raises(ValueError, match=r"\['backbone.layers.0.mixer.in_proj.bias'\] are not "
                      r"read by the mamba2 table"):
     load(extra, 0)
+
+
+def test_a_multimodal_qwen3_5_checkpoint_loads_its_text_model(tmp_path):
+  """A released Qwen3.5 nests the text config in ``text_config`` and its tensors under
+  ``model.language_model``: made here from the flat fixture, it loads the same layer."""
+  nested = _copy(tmp_path, "qwen3_5")
+  text = json.loads((nested / "config.json").read_text())
+  (nested / "config.json").write_text(json.dumps({"model_type": "qwen3_5",
+                                                  "text_config": text}))
+  _rewrite(nested, lambda t: t.update({n.replace("model.", "model.language_model.", 1): t.pop(n)
+                                       for n in list(t) if n.startswith("model.")}))
+  io = np.load(FIXTURES / "qwen3_5" / "io.npz")
+  layer = nn.load_transformers_layer(nested, 0)
+  want = io["layer0_output"]
+  np.testing.assert_allclose(_jitted(layer, jnp.asarray(io["layer0_input"])), want,
+                             atol=1e-5 * np.abs(want).max(), rtol=0)

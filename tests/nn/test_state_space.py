@@ -74,6 +74,10 @@ def _mamba_reference(m, x):
   u = _silu(_conv(u, p("conv.kernel"), p("conv.bias") if m.conv.bias is not None else None))
   proj = u @ p("x_proj.kernel")
   delta, b, c = proj[..., :R], proj[..., R:R + S], proj[..., R + S:]
+  if m.inner_norm is not None:  # Jamba's RMSNorms (Falcon-Mamba's without scales).
+    rms = lambda y, name: y / np.sqrt(np.mean(y ** 2, -1, keepdims=True) + m.dt_norm.epsilon) * (  # noqa: E731
+        p(f"{name}.scale") if m.inner_norm == "learned" else 1.0)
+    delta, b, c = rms(delta, "dt_norm"), rms(b, "b_norm"), rms(c, "c_norm")
   dt = np.log1p(np.exp(delta @ p("dt_proj.kernel") + p("dt_proj.bias")))  # [B, T, E]
   A = -np.exp(p("A_log"))
   h = np.zeros((B, E, S))
@@ -99,7 +103,8 @@ MAMBA2 = dict(num_heads=4, head_dim=4, state_size=3, n_groups=2, conv_size=3,
               attention_options={"implementation": "scan"}, param_dtype=jnp.float32,
               dtype=jnp.float32, precision="highest", kernel_init=_NORMAL)
 MAMBA = dict(intermediate_size=24, state_size=3, conv_size=3, time_step_rank=2,
-             use_conv_bias=False, use_bias=True, chunk_size=4, implementation="scan",
+             use_conv_bias=False, use_bias=True, inner_norm="learned", inner_norm_eps=1e-3,
+             chunk_size=4, implementation="scan",
              param_dtype=jnp.float32, dtype=jnp.float32, precision="highest", kernel_init=_NORMAL)
 SHORT_CONV = dict(conv_size=4, use_bias=True, param_dtype=jnp.float32, dtype=jnp.float32,
                   precision="highest", kernel_init=_NORMAL)
@@ -166,5 +171,7 @@ def test_bad_settings_raise_value_errors_naming_them():
     nn.MambaMixer(F, implementation="chunked", rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match=r"decode=True needs a cache"):
     nn.MambaMixer(F, rngs=nnx.Rngs(0))(jnp.zeros((1, 2, F)), decode=True)
+  with pytest.raises(ValueError, match=r"inner_norm"):
+    nn.MambaMixer(F, inner_norm="layer", rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match=r"group_size=3 must divide features=4"):
     nn.GatedRMSNorm(4, group_size=3, rngs=nnx.Rngs(0))

@@ -13,6 +13,7 @@ and every parameter of the module set: anything else is a ``ValueError``.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -69,13 +70,16 @@ def _field(config: Mapping[str, Any], name: str, model_type: str) -> Any:
   return config[name]
 
 
-def _kind(config: Mapping[str, Any], index: int, model_type: str, recurrent: str) -> None:
-  """Checks that layer ``index`` is a ``recurrent`` layer of ``layer_types``."""
-  kinds = _field(config, "layer_types", model_type)
-  if kinds[index] != recurrent:
+def _kind(config: Mapping[str, Any], index: int, model_type: str, recurrent: str | tuple[str, ...],
+          field: str = "layer_types") -> None:
+  """Checks that layer ``index`` is a ``recurrent`` layer of the config's ``field``."""
+  kinds = config.get(field, config.get("layer_types")) if field != "layer_types" else None
+  kinds = _field(config, field, model_type) if kinds is None else kinds
+  names = (recurrent,) if isinstance(recurrent, str) else recurrent
+  if kinds[index] not in names:
     raise ValueError(f"{_FN}: layer {index} of this {model_type} checkpoint is a "
-                     f"{kinds[index]!r} layer, not a {recurrent!r} one; its recurrent layers: "
-                     f"{[i for i, k in enumerate(kinds) if k == recurrent]}.")
+                     f"{kinds[index]!r} layer, not a {names[0]!r} one; its recurrent layers: "
+                     f"{[i for i, k in enumerate(kinds) if k in names]}.")
 
 
 def _silu(config: Mapping[str, Any], model_type: str, name: str = "hidden_act") -> None:
@@ -113,6 +117,62 @@ def _qwen3_next(config: Mapping[str, Any], index: int) -> Plan:
   ))
 
 
+def _qwen3_5(config: Mapping[str, Any], index: int) -> Plan:
+  """Qwen3.5's Gated DeltaNet: ``in_proj_qkv`` is ``[q | k | v]`` in plain blocks, with
+  ``in_proj_z``, ``in_proj_b`` and ``in_proj_a`` apart. A multimodal checkpoint nests the
+  text model's config in ``text_config`` and its tensors under ``model.language_model``."""
+  t = "qwen3_5"
+  nested = "text_config" in config
+  config = config["text_config"] if nested else config
+  _kind(config, index, t, "linear_attention")
+  _silu(config, t)
+  f = lambda name: _field(config, name, t)  # noqa: E731
+  F, K, V = f("hidden_size"), f("linear_num_key_heads"), f("linear_num_value_heads")
+  H, D, W = f("linear_key_head_dim"), f("linear_value_head_dim"), f("linear_conv_kernel_dim")
+
+  def build(**settings):
+    return RecurrentMixer("gated_deltanet", F, K, head_dim=H, num_v_heads=V, expand_v=D / H,
+                          conv_size=W, norm_eps=f("rms_norm_eps"), **settings)
+
+  model = "model.language_model" if nested else "model"
+  return Plan(build, f"{model}.layers.{index}.linear_attn.", (
+      Row("in_proj_qkv.weight", ("q_proj.kernel", "k_proj.kernel", "v_proj.kernel"), "linear",
+          (K * H, K * H, V * D)),
+      Row("in_proj_z.weight", "g_proj.kernel", "linear"),
+      Row("in_proj_b.weight", "b_proj.kernel", "linear"),
+      Row("in_proj_a.weight", "a_proj.kernel", "linear"),
+      Row("conv1d.weight", ("q_conv.kernel", "k_conv.kernel", "v_conv.kernel"), "conv",
+          (K * H, K * H, V * D)),
+      Row("A_log", "A_log"), Row("dt_bias", "dt_bias"),
+      Row("norm.weight", "o_norm.scale"),
+      Row("out_proj.weight", "o_proj.kernel", "linear"),
+  ))
+
+
+def _olmo_hybrid(config: Mapping[str, Any], index: int) -> Plan:
+  """OLMo's hybrid Gated DeltaNet: projections and convolutions apart, ``β = 2σ(x W_b)``
+  with ``linear_allow_neg_eigval``, the output norm's eps 1e-5."""
+  t = "olmo_hybrid"
+  _kind(config, index, t, "linear_attention")
+  _silu(config, t)
+  f = lambda name: _field(config, name, t)  # noqa: E731
+  F, K, V = f("hidden_size"), f("linear_num_key_heads"), f("linear_num_value_heads")
+  H, D, W = f("linear_key_head_dim"), f("linear_value_head_dim"), f("linear_conv_kernel_dim")
+
+  def build(**settings):
+    return RecurrentMixer("gated_deltanet", F, K, head_dim=H, num_v_heads=V, expand_v=D / H,
+                          conv_size=W, allow_neg_eigval=bool(f("linear_allow_neg_eigval")),
+                          norm_eps=1e-5, **settings)
+
+  rows = [Row(f"{x}_proj.weight", f"{x}_proj.kernel", "linear") for x in "qkvabg"]
+  rows += [Row(f"{x}_conv1d.weight", f"{x}_conv.kernel", "conv") for x in "qkv"]
+  return Plan(build, f"model.layers.{index}.linear_attn.", tuple(rows) + (
+      Row("A_log", "A_log"), Row("dt_bias", "dt_bias"),
+      Row("o_norm.weight", "o_norm.scale"),
+      Row("o_proj.weight", "o_proj.kernel", "linear"),
+  ))
+
+
 def _kimi_linear(config: Mapping[str, Any], index: int) -> Plan:
   """Kimi Linear's KDA layers (``linear_attn_config.kda_layers``, counted from 1): the
   checkpoint stores the convolutions split and the forget gate's tensors at the top."""
@@ -145,49 +205,129 @@ def _kimi_linear(config: Mapping[str, Any], index: int) -> Plan:
   ))
 
 
-def _mamba2(config: Mapping[str, Any], index: int) -> Plan:
-  """Mamba-2: its fused ``in_proj`` and convolution over ``x | B | C`` are ours as they are."""
-  t = "mamba2"
-  f = lambda name: _field(config, name, t)  # noqa: E731
-  _silu(config, t)
-  F, n, P = f("hidden_size"), f("num_heads"), f("head_dim")
-  if n * P != int(f("expand") * F):
-    raise ValueError(f"{_FN}: {t} with num_heads·head_dim = {n}·{P} != expand·hidden_size = "
-                     f"{f('expand')}·{F}.")
-  bias, conv_bias = f("use_bias"), f("use_conv_bias")
+class _Mamba2Sizes(NamedTuple):
+  """A Mamba-2 layer's settings, read from whichever fields its model type names them by."""
+
+  hidden: int
+  heads: int
+  head_dim: int
+  inner: int  # expand · hidden, which heads · head_dim must equal.
+  state: int
+  groups: int
+  conv: int
+  conv_bias: bool
+  bias: bool
+  eps: float
+  limit: tuple[float, float]
+
+
+def _mamba2_plan(t: str, m: _Mamba2Sizes, prefix: str) -> Plan:
+  """The Mamba-2 table (its fused ``in_proj`` and the convolution over ``x | B | C`` are
+  ours as they are), for any model type whose layer is transformers' ``Mamba2Mixer``
+  with other field names."""
+  if m.heads * m.head_dim != m.inner:
+    raise ValueError(f"{_FN}: {t} with {m.heads} heads of {m.head_dim} channels; its inner "
+                     f"width is {m.inner}.")
 
   def build(**settings):
-    return Mamba2Mixer(F, num_heads=n, head_dim=P, state_size=f("state_size"),
-                       n_groups=f("n_groups"), conv_size=f("conv_kernel"),
-                       use_conv_bias=conv_bias, use_bias=bias,
-                       norm_eps=f("layer_norm_epsilon"),
-                       time_step_limit=tuple(config.get("time_step_limit", (0.0, math.inf))),
-                       **settings)
+    return Mamba2Mixer(m.hidden, num_heads=m.heads, head_dim=m.head_dim, state_size=m.state,
+                       n_groups=m.groups, conv_size=m.conv, use_conv_bias=m.conv_bias,
+                       use_bias=m.bias, norm_eps=m.eps, time_step_limit=m.limit, **settings)
 
   rows = [Row("in_proj.weight", "in_proj.kernel", "linear"),
           Row("conv1d.weight", "conv.kernel", "conv"),
           Row("dt_bias", "dt_bias"), Row("A_log", "A_log"), Row("D", "D"),
           Row("norm.weight", "norm.scale"),
           Row("out_proj.weight", "out_proj.kernel", "linear")]
-  rows += [Row("conv1d.bias", "conv.bias")] if conv_bias else []
-  rows += [Row(f"{x}_proj.bias", f"{x}_proj.bias") for x in ("in", "out")] if bias else []
-  return Plan(build, f"backbone.layers.{index}.mixer.", tuple(rows))
+  rows += [Row("conv1d.bias", "conv.bias")] if m.conv_bias else []
+  rows += [Row(f"{x}_proj.bias", f"{x}_proj.bias") for x in ("in", "out")] if m.bias else []
+  return Plan(build, prefix, tuple(rows))
 
 
-def _mamba(config: Mapping[str, Any], index: int) -> Plan:
-  """Mamba-1: ``in_proj`` is ``[x | z]``, ``x_proj`` ``[δ | B | C]``, ``dt_proj`` holds Δ's
-  bias; ours in the same layout."""
-  t = "mamba"
+def _limit(config: Mapping[str, Any]) -> tuple[float, float]:
+  return tuple(config.get("time_step_limit", (0.0, math.inf)))
+
+
+def _mamba2(config: Mapping[str, Any], index: int) -> Plan:
+  """Mamba-2 (``Mamba2Mixer``, every layer)."""
+  t = "mamba2"
   f = lambda name: _field(config, name, t)  # noqa: E731
   _silu(config, t)
-  bias, conv_bias = f("use_bias"), f("use_conv_bias")
+  F = f("hidden_size")
+  return _mamba2_plan(t, _Mamba2Sizes(
+      F, f("num_heads"), f("head_dim"), int(f("expand") * F), f("state_size"), f("n_groups"),
+      f("conv_kernel"), f("use_conv_bias"), f("use_bias"), f("layer_norm_epsilon"),
+      _limit(config)), f"backbone.layers.{index}.mixer.")
+
+
+def _bamba_sizes(config: Mapping[str, Any], t: str) -> _Mamba2Sizes:
+  f = lambda name: _field(config, name, t)  # noqa: E731
+  _silu(config, t)
+  F = f("hidden_size")
+  return _Mamba2Sizes(F, f("mamba_n_heads"), f("mamba_d_head"), int(f("mamba_expand") * F),
+                      f("mamba_d_state"), f("mamba_n_groups"), f("mamba_d_conv"),
+                      f("mamba_conv_bias"), f("mamba_proj_bias"), f("rms_norm_eps"),
+                      _limit(config))
+
+
+def _bamba(config: Mapping[str, Any], index: int) -> Plan:
+  """Bamba: Mamba-2 layers but those of ``attn_layer_indices``."""
+  t = "bamba"
+  attention = _field(config, "attn_layer_indices", t)
+  if index in attention:
+    raise ValueError(f"{_FN}: layer {index} of this {t} checkpoint is an attention layer "
+                     f"(attn_layer_indices {attention}).")
+  return _mamba2_plan(t, _bamba_sizes(config, t), f"model.layers.{index}.mamba.")
+
+
+def _granitemoehybrid(config: Mapping[str, Any], index: int) -> Plan:
+  """Granite 4.0 (hybrid): its Mamba-2 layers (``layer_types``), Bamba's fields; the
+  multipliers act outside the mixer."""
+  t = "granitemoehybrid"
+  _kind(config, index, t, ("linear_attention", "mamba"))
+  return _mamba2_plan(t, _bamba_sizes(config, t), f"model.layers.{index}.mamba.")
+
+
+def _nemotron_h(config: Mapping[str, Any], index: int) -> Plan:
+  """Nemotron-H: its Mamba-2 layers (``layers_block_type``); Δ is clipped below at
+  ``time_step_min``."""
+  t = "nemotron_h"
+  _kind(config, index, t, ("linear_attention", "mamba"), field="layers_block_type")
+  f = lambda name: _field(config, name, t)  # noqa: E731
+  _silu(config, t, "mamba_hidden_act")
+  n, P = f("mamba_num_heads"), f("mamba_head_dim")
+  return _mamba2_plan(t, _Mamba2Sizes(
+      f("hidden_size"), n, P, n * P, f("ssm_state_size"), f("n_groups"), f("conv_kernel"),
+      f("use_conv_bias"), f("use_bias"), f("layer_norm_epsilon"),
+      (f("time_step_min"), math.inf)), f"backbone.layers.{index}.mixer.")
+
+
+def _zamba2(config: Mapping[str, Any], index: int) -> Plan:
+  """Zamba2: the Mamba-2 mixer of each layer (a ``hybrid`` layer's sits in its
+  ``mamba_decoder``, beside the shared attention block); the convolution always has its
+  bias, the norm's eps is 1e-5 and Δ is clipped below at ``time_step_min``."""
+  t = "zamba2"
+  kinds = _field(config, "layers_block_type", t)
+  f = lambda name: _field(config, name, t)  # noqa: E731
+  F = f("hidden_size")
+  where = "mamba_decoder.mamba" if kinds[index] == "hybrid" else "mamba"
+  return _mamba2_plan(t, _Mamba2Sizes(
+      F, f("n_mamba_heads"), f("mamba_headdim"), int(f("mamba_expand") * F), f("mamba_d_state"),
+      f("mamba_ngroups"), f("mamba_d_conv"), True, f("add_bias_linear"), 1e-5,
+      (f("time_step_min"), math.inf)), f"model.layers.{index}.{where}.")
+
+
+def _mamba_plan(t: str, config: Mapping[str, Any], prefix: str, *, F: int, E: int, S: int,
+                W: int, R: Any, conv_bias: bool, bias: bool, norm: str | None = None,
+                norm_eps: float = 1e-6) -> Plan:
+  """The Mamba-1 table: ``in_proj`` is ``[x | z]``, ``x_proj`` ``[δ | B | C]``, ``dt_proj``
+  holds Δ's bias; ours in the same layout (and Jamba's inner norms)."""
+  _silu(config, t)
 
   def build(**settings):
-    return MambaMixer(f("hidden_size"), intermediate_size=f("intermediate_size"),
-                      state_size=f("state_size"), conv_size=f("conv_kernel"),
-                      time_step_rank=None if f("time_step_rank") == "auto" else
-                      f("time_step_rank"), use_conv_bias=conv_bias,
-                      use_bias=bias, **settings)
+    return MambaMixer(F, intermediate_size=E, state_size=S, conv_size=W,
+                      time_step_rank=None if R == "auto" else R, use_conv_bias=conv_bias,
+                      use_bias=bias, inner_norm=norm, inner_norm_eps=norm_eps, **settings)
 
   rows = [Row("in_proj.weight", "in_proj.kernel", "linear"),
           Row("conv1d.weight", "conv.kernel", "conv"),
@@ -198,7 +338,36 @@ def _mamba(config: Mapping[str, Any], index: int) -> Plan:
           Row("out_proj.weight", "out_proj.kernel", "linear")]
   rows += [Row("conv1d.bias", "conv.bias")] if conv_bias else []
   rows += [Row(f"{x}_proj.bias", f"{x}_proj.bias") for x in ("in", "out")] if bias else []
-  return Plan(build, f"backbone.layers.{index}.mixer.", tuple(rows))
+  if norm == "learned":
+    rows += [Row(f"{x}_layernorm.weight", f"{x}_norm.scale") for x in ("dt", "b", "c")]
+  return Plan(build, prefix, tuple(rows))
+
+
+def _mamba(config: Mapping[str, Any], index: int, t: str = "mamba") -> Plan:
+  """Mamba-1 (``MambaMixer``, every layer); Falcon-Mamba with its weightless inner norms."""
+  f = lambda name: _field(config, name, t)  # noqa: E731
+  falcon = t == "falcon_mamba"
+  return _mamba_plan(t, config, f"backbone.layers.{index}.mixer.", F=f("hidden_size"),
+                     E=f("intermediate_size"), S=f("state_size"), W=f("conv_kernel"),
+                     R=f("time_step_rank"), conv_bias=f("use_conv_bias"), bias=f("use_bias"),
+                     norm="weightless" if falcon else None,
+                     norm_eps=f("mixer_rms_eps") if falcon else 1e-6)
+
+
+def _jamba(config: Mapping[str, Any], index: int) -> Plan:
+  """Jamba: the Mamba-1 layers (attention where ``i % attn_layer_period ==
+  attn_layer_offset``), with RMSNorms on δ, B and C."""
+  t = "jamba"
+  f = lambda name: _field(config, name, t)  # noqa: E731
+  if index % f("attn_layer_period") == f("attn_layer_offset"):
+    raise ValueError(f"{_FN}: layer {index} of this {t} checkpoint is an attention layer "
+                     f"(attn_layer_period {f('attn_layer_period')}, offset "
+                     f"{f('attn_layer_offset')}).")
+  F = f("hidden_size")
+  return _mamba_plan(t, config, f"model.layers.{index}.mamba.", F=F,
+                     E=int(f("mamba_expand") * F), S=f("mamba_d_state"), W=f("mamba_d_conv"),
+                     R=f("mamba_dt_rank"), conv_bias=f("mamba_conv_bias"),
+                     bias=f("mamba_proj_bias"), norm="learned", norm_eps=f("rms_norm_eps"))
 
 
 def _lfm2(config: Mapping[str, Any], index: int) -> Plan:
@@ -221,8 +390,17 @@ def _lfm2(config: Mapping[str, Any], index: int) -> Plan:
 PLANS: Mapping[str, Callable[[Mapping[str, Any], int], Plan]] = {
     "qwen3_next": _qwen3_next,
     "kimi_linear": _kimi_linear,
+    "qwen3_5": _qwen3_5,
+    "qwen3_5_text": _qwen3_5,
+    "olmo_hybrid": _olmo_hybrid,
     "mamba": _mamba,
+    "falcon_mamba": functools.partial(_mamba, t="falcon_mamba"),
+    "jamba": _jamba,
     "mamba2": _mamba2,
+    "bamba": _bamba,
+    "granitemoehybrid": _granitemoehybrid,
+    "nemotron_h": _nemotron_h,
+    "zamba2": _zamba2,
     "lfm2": _lfm2,
 }
 
@@ -293,16 +471,24 @@ def load_transformers_layer(checkpoint: str | os.PathLike, layer_index: int, *,
   and takes ``segment_ids`` like every layer here. The model types and the module each
   loads (:data:`PLANS`; the tables are on the docs site):
 
-  ============= ============================================ =========================
-  model type    layer (transformers)                         module
-  ============= ============================================ =========================
-  qwen3_next    ``linear_attn`` (``Qwen3NextGatedDeltaNet``) ``RecurrentMixer``
-                                                             (``gated_deltanet``)
-  kimi_linear   ``self_attn`` (``KimiDeltaAttention``)       ``RecurrentMixer`` (``kda``)
-  mamba         ``mixer`` (``MambaMixer``)                   :class:`MambaMixer`
-  mamba2        ``mixer`` (``Mamba2Mixer``)                  :class:`Mamba2Mixer`
-  lfm2          ``conv`` (``Lfm2ShortConv``)                 :class:`ShortConvMixer`
-  ============= ============================================ =========================
+  ================= ====================================== =========================
+  model type        layer (transformers)                   module
+  ================= ====================================== =========================
+  qwen3_next        ``linear_attn`` (Gated DeltaNet)       ``RecurrentMixer``
+                                                           (``gated_deltanet``)
+  qwen3_5           ``linear_attn`` (Gated DeltaNet)       the same
+  olmo_hybrid       ``linear_attn`` (Gated DeltaNet)       the same, ``β = 2σ``
+  kimi_linear       ``self_attn`` (KDA)                    ``RecurrentMixer`` (``kda``)
+  mamba             ``mixer`` (``MambaMixer``)             :class:`MambaMixer`
+  falcon_mamba      ``mixer``                              the same, weightless norms
+  jamba             ``mamba``                              the same, learned norms
+  mamba2            ``mixer`` (``Mamba2Mixer``)            :class:`Mamba2Mixer`
+  bamba             ``mamba``                              the same
+  granitemoehybrid  ``mamba``                              the same
+  nemotron_h        ``mixer``                              the same
+  zamba2            ``mamba`` (``mamba_decoder.mamba``)    the same
+  lfm2              ``conv`` (``Lfm2ShortConv``)           :class:`ShortConvMixer`
+  ================= ====================================== =========================
 
   The config decides every option (head counts, groups, widths, eps, ``time_step_limit``).
 
@@ -343,7 +529,10 @@ def load_transformers_layer(checkpoint: str | os.PathLike, layer_index: int, *,
   if part == "attention":
     raise ValueError(f"{_FN}: part='attention': {model_type}'s layers load their recurrent "
                      "token mixer only.")
-  layers = config.get("num_hidden_layers")
+  text = config.get("text_config", config)  # A multimodal model's text layers.
+  layers = text.get("num_hidden_layers")
+  for kinds in ("layers_block_type", "layer_types"):  # Nemotron-H names no count.
+    layers = len(text[kinds]) if layers is None and kinds in text else layers
   if not isinstance(layer_index, int) or not 0 <= layer_index < (layers or 0):
     raise ValueError(f"{_FN}: layer_index={layer_index!r} is out of range for the {layers} "
                      f"layers of this {model_type} checkpoint.")

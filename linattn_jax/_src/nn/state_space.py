@@ -226,7 +226,13 @@ class MambaMixer(nnx.Module):
   ``D``               [E]           ``D``
   ``out_proj.kernel`` [E, F]        ``out_proj.weight``
   ``out_proj.bias``   [F]           ``out_proj.bias`` (``use_bias``)
+  ``dt_norm.scale``   [R]           ``dt_layernorm.weight`` (Jamba)
+  ``b_norm.scale``    [S]           ``b_layernorm.weight`` (Jamba)
+  ``c_norm.scale``    [S]           ``c_layernorm.weight`` (Jamba)
   =================== ============= ======================
+
+  Jamba and Falcon-Mamba RMS-normalise ``δ``, B and C after ``x_proj``
+  (``inner_norm``): Jamba with learned scales, Falcon-Mamba without.
 
   Args:
     hidden_size: F.
@@ -236,6 +242,9 @@ class MambaMixer(nnx.Module):
     time_step_rank: R (default ``ceil(F / 16)``).
     use_conv_bias: the convolution's bias.
     use_bias: the in- and out-projections' biases.
+    inner_norm: None, ``"learned"`` (Jamba's RMSNorms with scales) or ``"weightless"``
+      (Falcon-Mamba's) on ``δ``, B and C.
+    inner_norm_eps: their eps.
     chunk_size: the scan's chunk length (:func:`~linattn_jax.selective_scan`).
     implementation: the scan's form.
     dtype, param_dtype, precision, kernel_init: the projections' settings, as in
@@ -264,6 +273,7 @@ class MambaMixer(nnx.Module):
   def __init__(self, hidden_size: int, *, intermediate_size: int | None = None,
                state_size: int = 16, conv_size: int = 4, time_step_rank: int | None = None,
                use_conv_bias: bool = True, use_bias: bool = False,
+               inner_norm: str | None = None, inner_norm_eps: float = 1e-6,
                chunk_size: int | None = None, implementation: str | None = None,
                dtype: Dtype | None = None, param_dtype: Dtype = jnp.float32,
                precision: PrecisionLike = None,
@@ -297,6 +307,14 @@ class MambaMixer(nnx.Module):
                                                     (E, S))).astype(param_dtype))
     self.D = nnx.Param(jnp.ones((E,), param_dtype))
     self.out_proj = linear(E, F, use_bias)
+    self.inner_norm = checks.check_choice(inner_norm, name="inner_norm",
+                                          choices=[None, "learned", "weightless"], fn=fn)
+    self.dt_norm = self.b_norm = self.c_norm = nnx.data(None)
+    if inner_norm is not None:
+      norm = lambda n: GatedRMSNorm(  # noqa: E731
+          n, epsilon=inner_norm_eps, activation=None, use_scale=inner_norm == "learned",
+          param_dtype=param_dtype, rngs=rngs)
+      self.dt_norm, self.b_norm, self.c_norm = norm(R), norm(S), norm(S)
     self.cache = self.cache_id = nnx.data(None)
 
   def init_cache(self, input_shape: Shape, dtype: Dtype = jnp.float32) -> None:
@@ -322,6 +340,8 @@ class MambaMixer(nnx.Module):
     u, z = jnp.split(self.in_proj(x), 2, axis=-1)
     u = self.conv(u, decode=decode, segment_ids=ids)  # With its SiLU.
     delta, b, c = jnp.split(self.x_proj(u), [R, R + S], axis=-1)
+    if self.inner_norm is not None:
+      delta, b, c = self.dt_norm(delta), self.b_norm(b), self.c_norm(c)
     dt = jax.nn.softplus(self.dt_proj(delta).astype(jnp.float32))
     A = -jnp.exp(self.A_log.get_value().astype(jnp.float32))
     state = None
