@@ -42,7 +42,12 @@ def _mamba2_reference(m, x):
   n, P, G, S = m.num_heads, m.head_dim, m.n_groups, m.state_size
   I = n * P  # noqa: E741
   p = lambda path: _p(m, path)  # noqa: E731
+  x = x * m.in_multiplier
   zxbcdt = x @ p("in_proj.kernel") + (p("in_proj.bias") if m.in_proj.bias is not None else 0)
+  if m.projection_multipliers is not None:  # Falcon-H1's factors on z, x, B, C, dt.
+    sizes = np.cumsum((0, I, I, G * S, G * S, n))
+    for a, z_, factor in zip(sizes[:-1], sizes[1:], m.projection_multipliers, strict=True):
+      zxbcdt[..., a:z_] *= factor
   z, xbc, dt = zxbcdt[..., :I], zxbcdt[..., I:-n], zxbcdt[..., -n:]
   xbc = _silu(_conv(xbc, p("conv.kernel"), p("conv.bias") if m.conv.bias is not None else None))
   u, b, c = xbc[..., :I].reshape(B, T, n, P), xbc[..., I:I + G * S], xbc[..., I + G * S:]
@@ -58,10 +63,15 @@ def _mamba2_reference(m, x):
       h[:, head] = (np.exp(dt[:, t, head] * A[head])[:, None, None] * h[:, head]
                     + dt[:, t, head][:, None, None] * write)
       y[:, t, head] = np.einsum("bs,bsp->bp", c[:, t, g], h[:, head]) + p("D")[head] * u[:, t, head]
-  y = y.reshape(B, T, I) * _silu(z)
-  groups = y.reshape(B, T, G, I // G)
-  groups = groups / np.sqrt(np.mean(groups ** 2, -1, keepdims=True) + m.norm.epsilon)
-  y = groups.reshape(B, T, I) * p("norm.scale")
+  y = y.reshape(B, T, I)
+  if m.norm is None:
+    y = y * _silu(z)
+  else:
+    y = y * _silu(z) if m.norm.gate_first else y
+    groups = y.reshape(B, T, G, I // G)
+    groups = groups / np.sqrt(np.mean(groups ** 2, -1, keepdims=True) + m.norm.epsilon)
+    y = groups.reshape(B, T, I) * p("norm.scale")
+    y = y if m.norm.gate_first else y * _silu(z)
   return y @ p("out_proj.kernel") + (p("out_proj.bias") if m.out_proj.bias is not None else 0)
 
 
@@ -100,8 +110,12 @@ _NORMAL = jax.nn.initializers.normal(0.3)
 # Together: every keyword of each class at a non-default value.
 MAMBA2 = dict(num_heads=4, head_dim=4, state_size=3, n_groups=2, conv_size=3,
               use_conv_bias=False, use_bias=True, norm_eps=1e-3, time_step_limit=(0.01, 0.5),
+              gate_first=False, in_multiplier=1.25,
+              projection_multipliers=(0.5, 1.5, 0.75, 1.25, 2.0),
               attention_options={"implementation": "scan"}, param_dtype=jnp.float32,
               dtype=jnp.float32, precision="highest", kernel_init=_NORMAL)
+# Falcon-H1 without its norm: y ⊙ silu(z).
+MAMBA2_UNNORMED = dict(num_heads=2, head_dim=8, use_norm=False)
 MAMBA = dict(intermediate_size=24, state_size=3, conv_size=3, time_step_rank=2,
              use_conv_bias=False, use_bias=True, inner_norm="learned", inner_norm_eps=1e-3,
              chunk_size=4, implementation="scan",
@@ -111,7 +125,7 @@ SHORT_CONV = dict(conv_size=4, use_bias=True, param_dtype=jnp.float32, dtype=jnp
 
 
 def test_every_keyword_has_a_non_default_value_here():
-  for cls, given in ((nn.MambaMixer, MAMBA), (nn.Mamba2Mixer, MAMBA2),
+  for cls, given in ((nn.MambaMixer, MAMBA), (nn.Mamba2Mixer, MAMBA2 | MAMBA2_UNNORMED),
                      (nn.ShortConvMixer, SHORT_CONV)):
     params = inspect.signature(cls.__init__).parameters
     missing = [p for p in params if p not in set(given) | {"self", "hidden_size", "rngs"}]
@@ -132,7 +146,9 @@ def _with_drawn_biases(m):
 @pytest.mark.parametrize("cls, kw, reference", [
     (nn.MambaMixer, MAMBA, _mamba_reference),
     (nn.Mamba2Mixer, MAMBA2, _mamba2_reference),
-    (nn.ShortConvMixer, SHORT_CONV, _short_conv_reference)], ids=["mamba", "mamba2", "short_conv"])
+    (nn.Mamba2Mixer, MAMBA2_UNNORMED, _mamba2_reference),
+    (nn.ShortConvMixer, SHORT_CONV, _short_conv_reference)],
+    ids=["mamba", "mamba2", "mamba2-unnormed", "short_conv"])
 def test_equals_its_formulas_eagerly_and_under_jit(cls, kw, reference):
   m = _with_drawn_biases(cls(F, rngs=nnx.Rngs(1), **kw))
   x = jax.random.normal(jax.random.key(0), (B, T, F))
@@ -144,7 +160,7 @@ def test_equals_its_formulas_eagerly_and_under_jit(cls, kw, reference):
 @pytest.mark.parametrize("cls, kw", [(nn.MambaMixer, MAMBA), (nn.Mamba2Mixer, MAMBA2)],
                          ids=["mamba", "mamba2"])
 def test_the_parameter_tables_name_every_parameter(cls, kw):
-  m = cls(F, rngs=nnx.Rngs(0), **(kw | {"use_conv_bias": True}))
+  m = cls(F, rngs=nnx.Rngs(0), **(kw | {"use_conv_bias": True}))  # With every parameter.
   params = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(m, nnx.Param))}
   rows = set(re.findall(r"^\s*``([\w.]+)``\s+\[", cls.__doc__, flags=re.M))
   assert params == rows
@@ -159,6 +175,8 @@ def test_bad_settings_raise_value_errors_naming_them():
     nn.Mamba2Mixer(F, num_heads=4, n_groups=3, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match=r"time_step_limit must be \(low, high\).*\(0.5, 0.1\)"):
     nn.Mamba2Mixer(F, num_heads=4, time_step_limit=(0.5, 0.1), rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"projection_multipliers are five factors"):
+    nn.Mamba2Mixer(F, num_heads=4, projection_multipliers=(1.0,), rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match=r"unknown|chunk"):
     nn.Mamba2Mixer(F, num_heads=4, attention_options={"chunks": 4}, rngs=nnx.Rngs(0))
   m = nn.ShortConvMixer(F, rngs=nnx.Rngs(0))

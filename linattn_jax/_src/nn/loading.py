@@ -219,6 +219,7 @@ class _Mamba2Sizes(NamedTuple):
   bias: bool
   eps: float
   limit: tuple[float, float]
+  options: Mapping[str, Any] = {}  # Falcon-H1's: Mamba2Mixer's keywords.
 
 
 def _mamba2_plan(t: str, m: _Mamba2Sizes, prefix: str) -> Plan:
@@ -232,13 +233,14 @@ def _mamba2_plan(t: str, m: _Mamba2Sizes, prefix: str) -> Plan:
   def build(**settings):
     return Mamba2Mixer(m.hidden, num_heads=m.heads, head_dim=m.head_dim, state_size=m.state,
                        n_groups=m.groups, conv_size=m.conv, use_conv_bias=m.conv_bias,
-                       use_bias=m.bias, norm_eps=m.eps, time_step_limit=m.limit, **settings)
+                       use_bias=m.bias, norm_eps=m.eps, time_step_limit=m.limit,
+                       **m.options, **settings)
 
   rows = [Row("in_proj.weight", "in_proj.kernel", "linear"),
           Row("conv1d.weight", "conv.kernel", "conv"),
           Row("dt_bias", "dt_bias"), Row("A_log", "A_log"), Row("D", "D"),
-          Row("norm.weight", "norm.scale"),
           Row("out_proj.weight", "out_proj.kernel", "linear")]
+  rows += [Row("norm.weight", "norm.scale")] if m.options.get("use_norm", True) else []
   rows += [Row("conv1d.bias", "conv.bias")] if m.conv_bias else []
   rows += [Row(f"{x}_proj.bias", f"{x}_proj.bias") for x in ("in", "out")] if m.bias else []
   return Plan(build, prefix, tuple(rows))
@@ -300,6 +302,26 @@ def _nemotron_h(config: Mapping[str, Any], index: int) -> Plan:
       f("hidden_size"), n, P, n * P, f("ssm_state_size"), f("n_groups"), f("conv_kernel"),
       f("use_conv_bias"), f("use_bias"), f("layer_norm_epsilon"),
       (f("time_step_min"), math.inf)), f"backbone.layers.{index}.mixer.")
+
+
+def _falcon_h1(config: Mapping[str, Any], index: int) -> Plan:
+  """Falcon-H1: the Mamba-2 half of each layer (``part="recurrent"``), with its input and
+  projection multipliers and its norm before the gate (``mamba_norm_before_gate``)."""
+  t = "falcon_h1"
+  f = lambda name: _field(config, name, t)  # noqa: E731
+  _silu(config, t)
+  if f("mamba_proj_bias") != f("projectors_bias"):
+    raise ValueError(f"{_FN}: {t} with mamba_proj_bias={f('mamba_proj_bias')} and "
+                     f"projectors_bias={f('projectors_bias')}: the layer has one bias setting.")
+  F = f("hidden_size")
+  inner = config.get("mamba_d_ssm") or int(f("mamba_expand") * F)
+  options = {"gate_first": not f("mamba_norm_before_gate"), "use_norm": f("mamba_rms_norm"),
+             "in_multiplier": f("ssm_in_multiplier"),
+             "projection_multipliers": tuple(f("ssm_multipliers"))}
+  return _mamba2_plan(t, _Mamba2Sizes(
+      F, f("mamba_n_heads"), f("mamba_d_head"), inner, f("mamba_d_state"), f("mamba_n_groups"),
+      f("mamba_d_conv"), f("mamba_conv_bias"), f("mamba_proj_bias"), f("rms_norm_eps"),
+      _limit(config), options), f"model.layers.{index}.mamba.")
 
 
 def _zamba2(config: Mapping[str, Any], index: int) -> Plan:
@@ -401,6 +423,7 @@ PLANS: Mapping[str, Callable[[Mapping[str, Any], int], Plan]] = {
     "granitemoehybrid": _granitemoehybrid,
     "nemotron_h": _nemotron_h,
     "zamba2": _zamba2,
+    "falcon_h1": _falcon_h1,
     "lfm2": _lfm2,
 }
 
@@ -487,6 +510,7 @@ def load_transformers_layer(checkpoint: str | os.PathLike, layer_index: int, *,
   granitemoehybrid  ``mamba``                              the same
   nemotron_h        ``mixer``                              the same
   zamba2            ``mamba`` (``mamba_decoder.mamba``)    the same
+  falcon_h1         ``mamba`` (beside its attention)       the same, multipliers
   lfm2              ``conv`` (``Lfm2ShortConv``)           :class:`ShortConvMixer`
   ================= ====================================== =========================
 

@@ -58,6 +58,11 @@ class Mamba2Mixer(nnx.Module):
   ``y ← RMSNorm(y ⊙ silu(z))`` over G groups of ``I / G`` channels, times ``norm.scale``
   (gate first, as Mamba-2's ``norm_before_gate=False``), and ``out = out_proj(y)``.
 
+  Falcon-H1's mixer scales its input by ``in_multiplier`` and the parts
+  ``z | x | B | C | dt`` of ``in_proj``'s output by ``projection_multipliers``, and
+  normalises before gating (``gate_first=False``) or not at all (``use_norm=False``:
+  ``y ⊙ silu(z)``).
+
   The parameters, with their names in transformers' ``Mamba2Mixer`` (a PyTorch
   ``Linear``'s ``weight`` is our ``kernel`` transposed, the ``Conv1d``'s
   ``weight [C, 1, W]`` our ``kernel [W, C]`` transposed):
@@ -72,7 +77,7 @@ class Mamba2Mixer(nnx.Module):
   ``dt_bias``         [n]                ``dt_bias``
   ``A_log``           [n]                ``A_log``
   ``D``               [n]                ``D``
-  ``norm.scale``      [I]                ``norm.weight``
+  ``norm.scale``      [I]                ``norm.weight`` (``use_norm``)
   ``out_proj.kernel`` [I, F]             ``out_proj.weight``
   ``out_proj.bias``   [F]                ``out_proj.bias`` (``use_bias``)
   =================== ================== =====================
@@ -88,6 +93,12 @@ class Mamba2Mixer(nnx.Module):
     use_bias: the projections' biases.
     norm_eps: the gated norm's eps.
     time_step_limit: ``(low, high)``, the clip of Δ.
+    gate_first: multiply by ``silu(z)`` before normalising (Mamba-2's order); False:
+      ``RMSNorm(y) ⊙ scale ⊙ silu(z)``.
+    use_norm: the gated norm (else ``y ⊙ silu(z)``, and no ``norm.scale``).
+    in_multiplier: a factor on the input (Falcon-H1's ``ssm_in_multiplier``).
+    projection_multipliers: five factors on ``in_proj``'s parts ``z, x, B, C, dt``
+      (Falcon-H1's ``ssm_multipliers``), or None.
     attention_options: ``simple_gla``'s options, e.g. ``{"chunk_size": 32}``.
     dtype, param_dtype, precision, kernel_init: the projections' settings, as in
       ``flax.nnx.Linear``.
@@ -116,6 +127,8 @@ class Mamba2Mixer(nnx.Module):
                state_size: int = 128, n_groups: int = 1, conv_size: int = 4,
                use_conv_bias: bool = True, use_bias: bool = False, norm_eps: float = 1e-5,
                time_step_limit: Sequence[float] = (0.0, math.inf),
+               gate_first: bool = True, use_norm: bool = True, in_multiplier: float = 1.0,
+               projection_multipliers: Sequence[float] | None = None,
                attention_options: Mapping[str, Any] | None = None,
                dtype: Dtype | None = None, param_dtype: Dtype = jnp.float32,
                precision: PrecisionLike = None,
@@ -134,6 +147,12 @@ class Mamba2Mixer(nnx.Module):
       raise ValueError(f"{fn}: time_step_limit must be (low, high) with 0 <= low <= high; got "
                        f"{tuple(time_step_limit)}.")
     self.time_step_limit = (low, high)
+    if projection_multipliers is not None and len(projection_multipliers) != 5:
+      raise ValueError(f"{fn}: projection_multipliers are five factors (z, x, B, C, dt); got "
+                       f"{projection_multipliers!r}.")
+    self.in_multiplier = float(in_multiplier)
+    self.projection_multipliers = (None if projection_multipliers is None else
+                                   tuple(float(m) for m in projection_multipliers))
     I = self.inner_size = n * P  # noqa: E741
     self.conv_features = I + 2 * G * S
     self.dtype = dtype
@@ -148,8 +167,9 @@ class Mamba2Mixer(nnx.Module):
     A_log, dt_bias = mamba2_decay_init(rngs, (n,), (n,), param_dtype)
     self.A_log, self.dt_bias = nnx.Param(A_log), nnx.Param(dt_bias)
     self.D = nnx.Param(jnp.ones((n,), param_dtype))
-    self.norm = GatedRMSNorm(I, epsilon=norm_eps, activation="swish", gate_first=True,
-                             group_size=I // G, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.norm = GatedRMSNorm(I, epsilon=norm_eps, activation="swish",
+                             gate_first=bool(gate_first), group_size=I // G, dtype=dtype,
+                             param_dtype=param_dtype, rngs=rngs) if use_norm else nnx.data(None)
     self.out_proj = nnx.Linear(I, F, use_bias=use_bias, kernel_init=kernel_init, dtype=dtype,
                                param_dtype=param_dtype, precision=precision, rngs=rngs)
     self.cache = nnx.data(None)
@@ -177,7 +197,15 @@ class Mamba2Mixer(nnx.Module):
       raise ValueError(f"{fn}: decode=True needs a cache: call init_cache first.")
     B, T, _ = x.shape
     n, P, G, S, I = self.num_heads, self.head_dim, self.n_groups, self.state_size, self.inner_size
-    z, xbc, dt = jnp.split(self.in_proj(x), [I, I + self.conv_features], axis=-1)
+    if self.in_multiplier != 1.0:
+      x = x * jnp.asarray(self.in_multiplier, x.dtype)
+    zxbcdt = self.in_proj(x)
+    if self.projection_multipliers is not None:
+      sizes = (I, I, G * S, G * S, n)
+      scale = jnp.concatenate([jnp.full((size,), m, zxbcdt.dtype) for size, m in
+                               zip(sizes, self.projection_multipliers, strict=True)])
+      zxbcdt = zxbcdt * scale[None, None]
+    z, xbc, dt = jnp.split(zxbcdt, [I, I + self.conv_features], axis=-1)
     xbc = self.conv(xbc, decode=decode, segment_ids=ids)  # With its SiLU.
     u, b, c = jnp.split(xbc, [I, I + G * S], axis=-1)
     f32 = jnp.float32
@@ -198,7 +226,8 @@ class Mamba2Mixer(nnx.Module):
       packed = {} if ids is None else {"segment_ids": ids}
       y = self._spec.function(q, k, v, is_causal=True, **packed, **options, **gates)
     y = y.astype(f32) + u.astype(f32) * expand_to(self.D.get_value().astype(f32)[:, None], u)
-    y = self.norm(y.reshape(B, T, I).astype(self.dtype or x.dtype), z)
+    y = y.reshape(B, T, I).astype(self.dtype or x.dtype)
+    y = y * jax.nn.silu(z) if self.norm is None else self.norm(y, z)
     return self.out_proj(y)
 
 
