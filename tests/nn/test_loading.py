@@ -27,7 +27,7 @@ MODULES = {"qwen3_next": "RecurrentMixer", "qwen3_5": "RecurrentMixer",
            "mamba": "MambaMixer", "falcon_mamba": "MambaMixer", "jamba": "MambaMixer",
            "mamba2": "Mamba2Mixer", "bamba": "Mamba2Mixer", "granitemoehybrid": "Mamba2Mixer",
            "nemotron_h": "Mamba2Mixer", "zamba2": "Mamba2Mixer", "falcon_h1": "Mamba2Mixer",
-           "lfm2": "ShortConvMixer"}
+           "minimax": "RecurrentMixer", "lfm2": "ShortConvMixer"}
 MODEL_TYPES = tuple(MODULES)
 # Decoding and packing once per module kind (and Jamba's inner norms, Zamba2's hybrid layers).
 DECODED = ("qwen3_next", "kimi_linear", "jamba", "mamba2", "zamba2", "lfm2")
@@ -62,12 +62,16 @@ def test_each_recurrent_layer_returns_what_transformers_returned(folder):
   model holding the same rounded values: both to float32 accuracy."""
   io = np.load(FIXTURES / folder / "io.npz")
   model_type = folder.removesuffix("_bf16")
+  # MiniMax keeps its block decays as buffers beside slope_rate, each rounded to bfloat16
+  # on its own: transformers' blockwise form with those differs from the decay it rounds
+  # from by 1e-3 of the output's scale (the float32 checkpoint agrees to 1e-6).
+  tol = 2e-3 if folder == "minimax_bf16" else 1e-5
   for i in _layers(folder):
     layer = nn.load_transformers_layer(FIXTURES / folder, i, param_dtype=jnp.float32)
     assert type(layer).__name__ == MODULES[model_type]
     want = io[f"layer{i}_output"]
     got = _jitted(layer, jnp.asarray(io[f"layer{i}_input"]))
-    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5 * np.abs(want).max(), rtol=0,
+    np.testing.assert_allclose(np.asarray(got), want, atol=tol * np.abs(want).max(), rtol=0,
                                err_msg=f"{folder} layer {i}")
 
 

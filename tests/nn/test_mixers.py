@@ -74,7 +74,7 @@ def _reference_recurrent(m: nn.RecurrentMixer, x: jax.Array) -> jax.Array:
   if m.short_conv:
     q, k, v = (_conv(y, p(f"{c}_conv.kernel"), None, "silu")
                for c, y in zip("qkv", (q, k, v), strict=True))
-  elif r.unit_qk:
+  elif r.unit_qk or r.qkv_silu:
     q, k, v = jax.nn.silu(q), jax.nn.silu(k), jax.nn.silu(v)
   n = m.num_householder  # Keys, values and β: n per token, laid out (n, heads, dims).
   steps = () if n == 1 else (n,)
@@ -94,6 +94,9 @@ def _reference_recurrent(m: nn.RecurrentMixer, x: jax.Array) -> jax.Array:
     g = jax.nn.log_sigmoid(logit).reshape(B, -1, V, H) / 16
   elif r.decay == "logsigmoid":
     g = jax.nn.log_sigmoid(x @ p("gk_proj.kernel") + p("gk_proj.bias")) / 16
+  elif r.decay == "lightning":  # MiniMax: s_h = 2^(-8(h+1)/N) (1 - l/(L-1) + 1e-5), l = 1, L = 3.
+    s_h = 2.0 ** (-8.0 * (jnp.arange(V, dtype=jnp.float32) + 1) / V) * (1 - 1 / (2 + 1e-5) + 1e-5)
+    g = jnp.broadcast_to(-s_h, (B, x.shape[1], V))
   elif r.attention == "retention":  # RetNet: gamma_h = 1 - 2^(-5-h).
     g = jnp.broadcast_to(jnp.log(1 - 2.0 ** (-5.0 - jnp.arange(V, dtype=jnp.float32))),
                          (B, x.shape[1], V))
@@ -103,7 +106,9 @@ def _reference_recurrent(m: nn.RecurrentMixer, x: jax.Array) -> jax.Array:
     oracle = la.delta_rule_attention_reference if n == 1 else la.delta_product_attention_reference
     o = oracle(q, k, v, beta, log_decay=g if r.decay else None, is_causal=True)
   else:
-    o = la.gated_linear_attention_reference(q, k, v, g, is_causal=True)
+    o = la.gated_linear_attention_reference(q, k, v, g, is_causal=True, scale=r.scale)
+  if r.norm_over_heads:  # One norm over every head's channels.
+    o = o.reshape(B, x.shape[1], -1)
   o = _rms(o, p("o_norm.scale"), m.o_norm.epsilon)
   if m.g_proj is not None:
     if r.low_rank_gate:
@@ -169,6 +174,8 @@ CONFIGS = {
     "deltanet": ("deltanet", dict(num_heads=2, short_conv=False, output_gate=True,
                                   allow_neg_eigval=True, attention_options={"chunk_size": 4})),
     "deltaproduct": ("deltanet", dict(num_heads=2, num_householder=2)),  # No gate, n = 2.
+    # MiniMax's second of three layers.
+    "lightning": ("lightning", dict(num_heads=4, layer_index=1, num_layers=3)),
     "rwkv7": ("rwkv7", dict(head_dim=8, num_layers=3, decay_rank=8, a_rank=8, gate_rank=4,
                             norm_eps=1e-3, attention_options={"chunk_size": 4},
                             precision="highest")),
@@ -245,7 +252,7 @@ def _full_pieces_and_alone(m, x, ids):
 # Each mixer in one dtype, the dtypes dealt over the mixers (both on every mixer with --full):
 # each mixer's decode and packed rows, and each dtype's casts, are checked.
 DECODE_MIXERS = ("gated_deltanet", "gated_deltaproduct", "kda", "gla", "simple_gla", "retnet",
-                 "deltanet", "rwkv7")
+                 "deltanet", "rwkv7", "lightning")
 DECODE_CASES = covering_grid([jnp.float32, jnp.bfloat16], DECODE_MIXERS)
 
 
@@ -384,7 +391,11 @@ def test_parts_equal_their_formulas(jit):
 
 
 def test_mixers_by_name_and_errors():
-  assert len(nn.token_mixer_names()) == 11
+  assert len(nn.token_mixer_names()) == 12
+  # layer_index and num_layers reach lightning's decays: deeper layers forget more slowly.
+  deep = nn.token_mixer("lightning", F, 4, layer_index=2, num_layers=3, rngs=nnx.Rngs(0))
+  first = nn.token_mixer("lightning", F, 4, rngs=nnx.Rngs(0))
+  assert float(deep.slope.get_value()[0]) < float(first.slope.get_value()[0])
   assert isinstance(nn.token_mixer("mamba", F, 4, rngs=nnx.Rngs(0)), nn.MambaMixer)
   assert isinstance(nn.token_mixer("lfm2", F, 4, rngs=nnx.Rngs(0)), nn.ShortConvMixer)
   wide = nn.token_mixer("mamba2", F, 4, head_dim=4, state_size=8, rngs=nnx.Rngs(0))

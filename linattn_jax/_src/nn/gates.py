@@ -159,6 +159,15 @@ def mamba2_decay_init(rngs: nnx.Rngs, a_shape: tuple[int, ...], dt_shape: tuple[
   return A_log.astype(dtype), (dt + jnp.log(-jnp.expm1(-dt))).astype(dtype)
 
 
+def lightning_slopes(num_heads: int, layer_index: int, num_layers: int) -> jax.Array:
+  """MiniMax-01's decay rates ``s_h = 2^(-8(h+1)/N) (1 - l / (L - 1 + 10⁻⁵) + 10⁻⁵)``
+  ``[N]`` (float32) for layer l of L: head h keeps ``exp(-s_h)`` of its state per token;
+  deeper layers forget more slowly."""
+  base = 2.0 ** (-8.0 / num_heads)  # The first head's rate, as ALiBi's slopes.
+  slopes = jnp.asarray([base ** (h + 1) for h in range(num_heads)], jnp.float32)
+  return slopes * (1.0 - layer_index / (num_layers - 1 + 1e-5) + 1e-5)
+
+
 def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
   """``x / sqrt(Σ_h x_h² + eps)`` over the last axis H, computed in float32."""
   x32 = x.astype(jnp.float32)

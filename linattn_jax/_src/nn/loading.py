@@ -40,8 +40,11 @@ class Row(NamedTuple):
     ours: our parameter's path in the module (``in_proj.kernel``), or several when the
       tensor is split.
     layout: ``"copy"`` (as stored, reshaped to our parameter's shape), ``"linear"`` (a
-      PyTorch ``Linear`` weight ``[out, in]``, transposed to a kernel ``[in, out]``) or
-      ``"conv"`` (a depthwise ``Conv1d`` weight ``[C, 1, W]``, as ``[W, C]``).
+      PyTorch ``Linear`` weight ``[out, in]``, transposed to a kernel ``[in, out]``),
+      ``"conv"`` (a depthwise ``Conv1d`` weight ``[C, 1, W]``, as ``[W, C]``) or
+      ``"derived"`` (a buffer the checkpoint keeps beside the parameter it is computed
+      from: ``ours`` is empty and the plan's ``derived`` function recomputes it from the
+      loaded module, which must agree with it).
     parts: the sizes the tensor's first axis splits into, one per parameter of ``ours``.
     groups: the first axis is ``groups`` runs of ``Σ parts`` (a fused projection
       interleaved per key head); each part is gathered from every run, in order.
@@ -62,6 +65,7 @@ class Plan(NamedTuple):
   build: Callable[..., nnx.Module]
   prefix: str
   rows: tuple[Row, ...]
+  derived: Callable[[nnx.Module, str], Any] | None = None  # (module, tensor name) -> value.
 
 
 def _field(config: Mapping[str, Any], name: str, model_type: str) -> Any:
@@ -115,6 +119,41 @@ def _qwen3_next(config: Mapping[str, Any], index: int) -> Plan:
       Row("norm.weight", "o_norm.scale"),
       Row("out_proj.weight", "o_proj.kernel", "linear"),
   ))
+
+
+def _minimax(config: Mapping[str, Any], index: int) -> Plan:
+  """MiniMax-01's lightning attention (its ``linear_attention`` layers): ``qkv_proj`` is N
+  runs of ``[q | k | v]``; ``slope_rate`` holds each head's decay rate, and the block
+  decays beside it are recomputed from it."""
+  t = "minimax"
+  _kind(config, index, t, "linear_attention")
+  _silu(config, t)
+  f = lambda name: _field(config, name, t)  # noqa: E731
+  F, N, d = f("hidden_size"), f("num_attention_heads"), f("head_dim")
+
+  def build(**settings):
+    return RecurrentMixer("lightning", F, N, head_dim=d, norm_eps=1e-6, layer_index=index,
+                          num_layers=f("num_hidden_layers"), **settings)
+
+  def derived(module, name):
+    s = np.asarray(module.slope.get_value(), np.float64)[:, None]  # [N, 1]
+    i = np.arange(f("block_size"), dtype=np.float64)
+    if name == "query_decay":
+      return np.exp(-s * (i + 1))[..., None]  # [N, b, 1]
+    if name == "key_decay":
+      return np.exp(-s * (i[::-1]))[..., None]
+    gap = i[:, None] - i[None, :]  # diagonal_decay [1, N, b, b]
+    return np.where(gap >= 0, np.exp(-s[..., None] * np.maximum(gap, 0)), 0.0)[None]
+
+  return Plan(build, f"model.layers.{index}.self_attn.", (
+      Row("qkv_proj.weight", ("q_proj.kernel", "k_proj.kernel", "v_proj.kernel"), "linear",
+          (d, d, d), N),
+      Row("output_gate.weight", "g_proj.kernel", "linear"),
+      Row("norm.weight", "o_norm.scale"),
+      Row("out_proj.weight", "o_proj.kernel", "linear"),
+      Row("slope_rate", "slope"),  # [N, 1, 1] as [N].
+      *(Row(name, (), "derived") for name in ("query_decay", "key_decay", "diagonal_decay")),
+  ), derived)
 
 
 def _qwen3_5(config: Mapping[str, Any], index: int) -> Plan:
@@ -415,6 +454,7 @@ PLANS: Mapping[str, Callable[[Mapping[str, Any], int], Plan]] = {
     "qwen3_5": _qwen3_5,
     "qwen3_5_text": _qwen3_5,
     "olmo_hybrid": _olmo_hybrid,
+    "minimax": _minimax,
     "mamba": _mamba,
     "falcon_mamba": functools.partial(_mamba, t="falcon_mamba"),
     "jamba": _jamba,
@@ -502,6 +542,8 @@ def load_transformers_layer(checkpoint: str | os.PathLike, layer_index: int, *,
   qwen3_5           ``linear_attn`` (Gated DeltaNet)       the same
   olmo_hybrid       ``linear_attn`` (Gated DeltaNet)       the same, ``β = 2σ``
   kimi_linear       ``self_attn`` (KDA)                    ``RecurrentMixer`` (``kda``)
+  minimax           ``self_attn`` (lightning attention)    ``RecurrentMixer``
+                                                           (``lightning``)
   mamba             ``mixer`` (``MambaMixer``)             :class:`MambaMixer`
   falcon_mamba      ``mixer``                              the same, weightless norms
   jamba             ``mamba``                              the same, learned norms
@@ -582,6 +624,8 @@ def load_transformers_layer(checkpoint: str | os.PathLike, layer_index: int, *,
     with safe_open(files[name], framework="flax") as f:
       tensor = f.get_tensor(name)
     ours = (row.ours,) if isinstance(row.ours, str) else row.ours
+    if row.layout == "derived":
+      continue  # Checked once the parameters are set.
     variables = [_variable(module, p) for p in ours]
     shapes = [_torch_shape(tuple(v.get_value().shape), row.layout) for v in variables]
     want = (sum(s[0] for s in shapes),) + shapes[0][1:] if row.parts else shapes[0]
@@ -594,6 +638,16 @@ def load_transformers_layer(checkpoint: str | os.PathLike, layer_index: int, *,
       value = _laid_out(piece, row.layout)
       variable.set_value(value.astype(param_dtype) if param_dtype else value)
       params.discard(p)
+  for row in plan.rows:
+    if row.layout != "derived":
+      continue
+    name = plan.prefix + row.name
+    with safe_open(files[name], framework="flax") as f:
+      stored = np.asarray(f.get_tensor(name), np.float64)
+    want = plan.derived(module, row.name)
+    if stored.shape != want.shape or not np.allclose(stored, want, rtol=1e-2, atol=1e-6):
+      raise ValueError(f"{_FN}: tensor {name} {stored.shape} disagrees with what the "
+                       f"{model_type} layer computes from its parameters {want.shape}.")
   if params:  # A table that leaves a parameter unset is a bug of the table, not the user's.
     raise AssertionError(f"{_FN}: the {model_type} table sets no value for {sorted(params)}.")
   return module

@@ -32,6 +32,7 @@ from linattn_jax._src.nn.gates import (
     GLA_GATE_NORMALIZER,
     GLA_GATE_RANK,
     l2_normalize,
+    lightning_slopes,
     mamba2_decay_init,
 )
 from linattn_jax._src.nn.parts import (
@@ -56,7 +57,8 @@ class Recipe:
   Attributes:
     attention: the registered recurrence.
     reference: the reference layer (flash-linear-attention's class).
-    decay: how the decay is projected: ``"mamba2"`` (per value head,
+    decay: how the decay is projected: ``"lightning"`` (fixed per head, set by the
+      layer's depth: MiniMax's), ``"mamba2"`` (per value head,
       ``-exp(A_log) softplus(x W_a + dt_bias)``), ``"kda"`` (per value head and key
       feature, ``-exp(A_log) softplus(x W_down W_up + dt_bias)``), ``"gla"`` (per key
       feature, ``log_sigmoid(x W_down W_up + b) / 16``), ``"logsigmoid"`` (per head,
@@ -74,6 +76,9 @@ class Recipe:
       with negative eigenvalues) rather than ``σ(x W_b)``.
     rotary: the paper's default for the rotary position embedding of q and k
       (:func:`rotary`, at each token's position in its document: RetNet's).
+    qkv_silu: SiLU on q, k and v without a convolution (MiniMax's).
+    norm_over_heads: the output norm over every head's channels at once, not per head.
+    scale: the recurrence's query scale (default: its own, ``H^-1/2``).
 
   Examples:
     >>> recipe = nn.RecurrentMixer("kda", 32, 2, rngs=nnx.Rngs(0)).recipe
@@ -93,6 +98,9 @@ class Recipe:
   householder: int = 1
   neg_eigval: bool = False
   rotary: bool = False
+  qkv_silu: bool = False
+  norm_over_heads: bool = False
+  scale: float | None = None
 
 
 RECIPES: Mapping[str, Recipe] = {
@@ -109,6 +117,10 @@ RECIPES: Mapping[str, Recipe] = {
     "retnet": Recipe("retention", "MultiScaleRetention", short_conv=False, expand_v=2.0,
                      rotary=True),
     "deltanet": Recipe("delta_net", "DeltaNet", beta=True, unit_qk=True, output_gate=None),
+    # MiniMax-01's lightning attention: fixed decays, no convolution, one norm over heads.
+    "lightning": Recipe("simple_gla", "MiniMaxLightningAttention", decay="lightning",
+                        short_conv=False, output_gate="sigmoid", qkv_silu=True,
+                        norm_over_heads=True, scale=1.0),
 }
 
 
@@ -133,7 +145,14 @@ class RecurrentMixer(nnx.Module):
   simple_gla         ``simple_gla``       SimpleGatedLinearAttention log-sigmoid, per head
   retnet             ``retention``        MultiScaleRetention        fixed per head
   deltanet           ``delta_net``        DeltaNet                   none
+  lightning          ``simple_gla``       MiniMaxLightningAttention  fixed per head, by depth
   ================== ==================== ========================== =====================
+
+  MiniMax-01's lightning attention (``lightning``) runs SiLU on q, k and v (no
+  convolution), reads with scale 1, decays head h by ``exp(-s_h)`` with
+  ``s_h = 2^(-8(h+1)/N) (1 - l / (L - 1 + 10⁻⁵) + 10⁻⁵)`` for layer l of L
+  (``layer_index``, ``num_layers``; the non-trainable ``slope [N]``), and normalises the
+  output over all heads' channels at once before its sigmoid gate.
 
   Gated DeltaProduct writes n keys per token (``num_householder``, default 2): k, v and
   β are projected n times over, and the token's decay, then its n delta-rule writes, then
@@ -173,9 +192,11 @@ class RecurrentMixer(nnx.Module):
   ``g_proj.down.kernel``   [F, D]       ``g_proj.0.weight``                 kda
   ``g_proj.up.kernel``     [D, O·D]     ``g_proj.1.weight``                 kda
   ``g_proj.up.bias``       [O·D]        ``g_proj.1.bias``                   kda
-  ``o_norm.scale``         [D]          ``o_norm.weight`` /                 all
+  ``o_norm.scale``         [D]          ``o_norm.weight`` /                 all but lightning
                                         ``g_norm_swish_gate.weight``
+  ``o_norm.scale``         [O·D]        ``norm.weight`` (MiniMax's)         lightning
   ``o_proj.kernel``        [O·D, F]     ``o_proj.weight``                   all
+  ``slope``                [N]          ``slope_rate`` (MiniMax's)          lightning
   ======================== ============ =================================== =================
 
   The decays: ``-exp(A_log) softplus(x W_a + dt_bias)`` ``[B, T, V]`` (Gated
@@ -218,6 +239,7 @@ class RecurrentMixer(nnx.Module):
     gate_bias: the low-rank output gate's bias ``g_proj.up.bias`` (kda only; default on,
       as flash-linear-attention's layer; Kimi Linear's checkpoints have none).
     norm_eps: the output norm's eps.
+    layer_index, num_layers: l and L, which set lightning's decays (lightning only).
     attention_options: the recurrence's options, e.g. ``{"chunk_size": 32}``.
     dtype, param_dtype, precision, kernel_init: the projections' settings, as in
       ``flax.nnx.Linear``.
@@ -260,6 +282,7 @@ class RecurrentMixer(nnx.Module):
                num_householder: int | None = None, allow_neg_eigval: bool | None = None,
                rotary: bool | None = None, output_gate: bool | None = None,
                gate_bias: bool | None = None, norm_eps: float = 1e-5,
+               layer_index: int | None = None, num_layers: int | None = None,
                attention_options: Mapping[str, Any] | None = None,
                dtype: Dtype | None = None, param_dtype: Dtype = jnp.float32,
                precision: PrecisionLike = None,
@@ -304,6 +327,9 @@ class RecurrentMixer(nnx.Module):
     self._spec = spec = get_spec(recipe.attention)
     self.attention_options = dict(attention_options or {})
     spec.build(**self.attention_options)  # Unknown options raise here, naming them.
+    # The recipe's query scale (lightning's 1), unless the options give one.
+    self._options = ({} if recipe.scale is None else {"scale": recipe.scale}
+                     ) | self.attention_options
     roles = {x.role: x.name for x in spec.token_inputs}
     self._decay_name, self._beta_name = roles.get(Role.DECAY), roles.get(Role.WRITE_STRENGTH)
     self.short_conv = recipe.short_conv if short_conv is None else bool(short_conv)
@@ -351,8 +377,19 @@ class RecurrentMixer(nnx.Module):
                              dtype=dtype, param_dtype=param_dtype, precision=precision,
                              rngs=rngs)
                      if recipe.low_rank_gate else linear(F, O * D))
-    self.o_norm = GatedRMSNorm(D, epsilon=norm_eps, activation=gate, dtype=dtype,
-                               param_dtype=param_dtype, rngs=rngs)
+    self.o_norm = GatedRMSNorm(O * D if recipe.norm_over_heads else D, epsilon=norm_eps,
+                               activation=gate, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.slope = nnx.data(None)
+    if recipe.decay == "lightning":
+      L = 1 if num_layers is None else checks.check_positive_int(num_layers, name="num_layers",
+                                                                 fn=fn)
+      l = 0 if layer_index is None else layer_index  # noqa: E741
+      if not isinstance(l, int) or not 0 <= l < L:
+        raise ValueError(f"{fn}: layer_index={layer_index!r} must be in [0, num_layers={L}).")
+      self.slope = nnx.Variable(lightning_slopes(N, l, L).astype(param_dtype))
+    elif layer_index is not None or num_layers is not None:
+      raise ValueError(f"{fn}: layer_index and num_layers set lightning's decays; {name!r} "
+                       "takes neither.")
     self.o_proj = linear(O * D, F)
     self.cache = self.position = nnx.data(None)
 
@@ -393,6 +430,9 @@ class RecurrentMixer(nnx.Module):
                                ).reshape(lead + (V, H))
     elif recipe.decay == "logsigmoid":
       out[self._decay_name] = jax.nn.log_sigmoid(self.gk_proj(x)) / GLA_GATE_NORMALIZER
+    elif recipe.decay == "lightning":
+      slope = -self.slope.get_value().astype(jnp.float32)
+      out[self._decay_name] = jnp.broadcast_to(expand_to(slope, x[..., :1]), lead + (V,))
     if recipe.beta:
       beta = jax.nn.sigmoid(self.b_proj(x)) * (2.0 if self.allow_neg_eigval else 1.0)
       n = self.num_householder
@@ -418,7 +458,7 @@ class RecurrentMixer(nnx.Module):
     if self.short_conv:
       q, k, v = (conv(y, decode=decode, segment_ids=ids)
                  for conv, y in ((self.q_conv, q), (self.k_conv, k), (self.v_conv, v)))
-    elif self.recipe.unit_qk:  # The delta rules' SiLU, without the convolution.
+    elif self.recipe.unit_qk or self.recipe.qkv_silu:  # SiLU, without the convolution.
       q, k, v = jax.nn.silu(q), jax.nn.silu(k), jax.nn.silu(v)
     n = self.num_householder
     steps = () if n == 1 else (n,)  # Keys, values and β: [B, T, n, ·] for n steps.
@@ -440,7 +480,7 @@ class RecurrentMixer(nnx.Module):
     if n > 1 and not decode:  # DeltaProduct's chunked form reads each token's last step only.
       o = delta_product_attention(q, k, v, gates[self._beta_name],
                                   log_decay=gates.get(self._decay_name), is_causal=True,
-                                  **packed(ids), **self.attention_options)
+                                  **packed(ids), **self._options)
     else:
       if n > 1:  # The n·T steps in order: each token's decay on its first, query on its last.
         beta, g = gates[self._beta_name], gates.get(self._decay_name)
@@ -449,15 +489,17 @@ class RecurrentMixer(nnx.Module):
       if decode:
         before = self.cache.get_value()
         cache, o = cache_lib.state_decode(self._spec, before, q, k, v,
-                                          options=self.attention_options, gates=gates,
+                                          options=self._options, gates=gates,
                                           segment_ids=ids)
         self.cache.set_value(cache._replace(index=before.index + T))  # Tokens, not steps.
       else:
         o = self._spec.function(q, k, v, is_causal=True, **packed(ids),
-                                **self.attention_options, **gates)
+                                **self._options, **gates)
       if n > 1:
         o = o.reshape((B, T, n) + o.shape[2:])[:, :, -1]  # Each token's last step.
     g = None
+    if self.recipe.norm_over_heads:
+      o = o.reshape(B, T, -1)
     if self.g_proj is not None:
       g = self.g_proj(x).reshape(o.shape)
     o = self.o_norm(o, g)
@@ -473,8 +515,8 @@ def token_mixer(name: str, hidden_size: int, num_heads: int, *, layer_index: int
   ``num_heads`` heads of ``2·hidden_size // num_heads`` channels, Mamba-2's expand of 2);
   ``"mamba"`` (:class:`MambaMixer`) and ``"lfm2"`` (:class:`ShortConvMixer`), which have
   no heads: ``num_heads`` must still be given (the models' layer signature) and sizes
-  nothing there. ``layer_index`` and ``num_layers`` reach RWKV-7 only (its value residual
-  and initial values); ``options`` go to the class.
+  nothing there. ``layer_index`` and ``num_layers`` reach RWKV-7 (its value residual and
+  initial values) and ``lightning`` (its decays); ``options`` go to the class.
 
   Raises:
     ValueError: for an unknown name.
@@ -497,6 +539,8 @@ def token_mixer(name: str, hidden_size: int, num_heads: int, *, layer_index: int
     return MambaMixer(hidden_size, **options)
   if name == "lfm2":
     return ShortConvMixer(hidden_size, **options)
+  if name == "lightning":
+    options = {"layer_index": layer_index, "num_layers": num_layers} | options
   return RecurrentMixer(name, hidden_size, num_heads, **options)
 
 
@@ -504,13 +548,16 @@ MIXERS: tuple[str, ...] = tuple(RECIPES) + ("rwkv7", "mamba", "mamba2", "lfm2")
 
 
 def token_mixer_names() -> tuple[str, ...]:
-  """The names :func:`token_mixer` takes: the :class:`RecurrentMixer` recipes, ``"rwkv7"``,
-  and the state-space and convolution mixers ``"mamba"``, ``"mamba2"`` and ``"lfm2"``.
+  """The names :func:`token_mixer` takes, the recurrent and state-space mixers.
+
+  The :class:`RecurrentMixer` recipes, ``"rwkv7"``, and the state-space and convolution
+  mixers ``"mamba"``, ``"mamba2"`` and ``"lfm2"``.
 
   Takes no arrays.
 
   Examples:
     >>> print(*nn.token_mixer_names())
-    gated_deltanet gated_deltaproduct kda gla simple_gla retnet deltanet rwkv7 mamba mamba2 lfm2
+    gated_deltanet gated_deltaproduct kda gla simple_gla retnet deltanet lightning rwkv7 mamba
+    mamba2 lfm2
   """
   return MIXERS
