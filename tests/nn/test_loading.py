@@ -24,6 +24,7 @@ from linattn_jax import nn
 FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "transformers"
 MODULES = {"qwen3_next": "RecurrentMixer", "qwen3_5": "RecurrentMixer",
            "olmo_hybrid": "RecurrentMixer", "kimi_linear": "RecurrentMixer",
+           "bailing_hybrid": "RecurrentMixer",
            "mamba": "MambaMixer", "falcon_mamba": "MambaMixer", "jamba": "MambaMixer",
            "mamba2": "Mamba2Mixer", "bamba": "Mamba2Mixer", "granitemoehybrid": "Mamba2Mixer",
            "nemotron_h": "Mamba2Mixer", "zamba2": "Mamba2Mixer", "falcon_h1": "Mamba2Mixer",
@@ -172,7 +173,7 @@ def test_what_does_not_fit_the_table_is_refused_by_name(tmp_path):
   config = json.loads((unknown / "config.json").read_text())
   (unknown / "config.json").write_text(json.dumps(config | {"model_type": "llama"}))
   with pytest.raises(ValueError, match=r"model type 'llama' is not one it loads; it loads "
-                     r"\['bamba', 'falcon_h1', .*, 'zamba2'\]"):
+                     r"\['bailing_hybrid', 'bamba', .*, 'zamba2'\]"):
     load(unknown, 0)
 
   missing = _copy(tmp_path / "missing")

@@ -87,8 +87,12 @@ def _reference_recurrent(m: nn.RecurrentMixer, x: jax.Array) -> jax.Array:
   if r.decay == "mamba2":
     g = -jnp.exp(p("A_log")) * jax.nn.softplus(x @ p("a_proj.kernel") + p("dt_bias"))
   elif r.decay == "kda":
-    f = x @ p("f_proj.down.kernel") @ p("f_proj.up.kernel") + p("dt_bias")
-    g = -jnp.exp(p("A_log"))[..., None] * jax.nn.softplus(f.reshape(B, -1, V, H))
+    low = isinstance(m.f_proj, nn.LowRank)
+    f = (x @ p("f_proj.down.kernel") @ p("f_proj.up.kernel") if low else x @ p("f_proj.kernel")
+         ) + p("dt_bias")
+    a = jnp.exp(p("A_log"))[..., None]
+    g = (-a * jax.nn.softplus(f.reshape(B, -1, V, H)) if m.decay_bound is None else
+         m.decay_bound * jax.nn.sigmoid(a * f.reshape(B, -1, V, H)))  # Bailing's bounded gate.
   elif r.decay == "gla":
     logit = x @ p("gk_proj.down.kernel") @ p("gk_proj.up.kernel") + p("gk_proj.up.bias")
     g = jax.nn.log_sigmoid(logit).reshape(B, -1, V, H) / 16
@@ -111,7 +115,7 @@ def _reference_recurrent(m: nn.RecurrentMixer, x: jax.Array) -> jax.Array:
     o = o.reshape(B, x.shape[1], -1)
   o = _rms(o, p("o_norm.scale"), m.o_norm.epsilon)
   if m.g_proj is not None:
-    if r.low_rank_gate:
+    if isinstance(m.g_proj, nn.LowRank):
       bias = 0.0 if m.g_proj.up.bias is None else p("g_proj.up.bias")
       gate = x @ p("g_proj.down.kernel") @ p("g_proj.up.kernel") + bias
     else:
@@ -161,6 +165,9 @@ CONFIGS = {
     "gated_deltaproduct": ("gated_deltaproduct", dict(num_heads=2, num_v_heads=4,
                                                       num_householder=3)),
     "kda": ("kda", dict(num_heads=2, num_v_heads=4, head_dim=8, gate_bias=False)),  # Kimi's.
+    # Bailing's: full-rank decay and gate projections, the bounded decay.
+    "kda_full_rank": ("kda", dict(num_heads=2, head_dim=8, low_rank_gate=False,
+                                  low_rank_decay=False, decay_bound=-5.0)),
     "gla": ("gla", dict(num_heads=4, num_kv_heads=2, short_conv=True, conv_size=3,
                         expand_v=2.0)),
     # RetNet's rotary embedding on another mixer.

@@ -261,6 +261,35 @@ class _Mamba2Sizes(NamedTuple):
   options: Mapping[str, Any] = {}  # Falcon-H1's: Mamba2Mixer's keywords.
 
 
+def _bailing_hybrid(config: Mapping[str, Any], index: int) -> Plan:
+  """Bailing's hybrid (Ling): KDA layers (``linear_attention``) with full-rank decay and
+  gate projections and, with ``kda_safe_gate``, the bounded decay; the checkpoint keeps
+  them under ``attention`` and names ``o_proj`` ``dense``. The KDA head dim is
+  ``linear_head_dim`` where the config has it (transformers overwrites ``head_dim``)."""
+  t = "bailing_hybrid"
+  _kind(config, index, t, "linear_attention")
+  _silu(config, t)
+  f = lambda name: _field(config, name, t)  # noqa: E731
+  F = f("hidden_size")
+  N = config.get("linear_num_heads", f("num_attention_heads"))
+  H = config.get("linear_head_dim", f("head_dim"))
+  W = config.get("linear_conv_kernel_dim", config.get("short_conv_kernel_size", 4))
+  bound = f("kda_lower_bound") if config.get("kda_safe_gate") else None
+
+  def build(**settings):
+    return RecurrentMixer("kda", F, N, head_dim=H, conv_size=W, low_rank_gate=False,
+                          low_rank_decay=False, decay_bound=bound,
+                          norm_eps=f("rms_norm_eps"), **settings)
+
+  rows = [Row(f"{x}_proj.weight", f"{x}_proj.kernel", "linear") for x in "qkvfbg"]
+  rows += [Row(f"{x}_conv1d.weight", f"{x}_conv.kernel", "conv") for x in "qkv"]
+  return Plan(build, f"model.layers.{index}.attention.", tuple(rows) + (
+      Row("dt_bias", "dt_bias"), Row("A_log", "A_log"),
+      Row("o_norm.weight", "o_norm.scale"),
+      Row("dense.weight", "o_proj.kernel", "linear"),
+  ))
+
+
 def _mamba2_plan(t: str, m: _Mamba2Sizes, prefix: str) -> Plan:
   """The Mamba-2 table (its fused ``in_proj`` and the convolution over ``x | B | C`` are
   ours as they are), for any model type whose layer is transformers' ``Mamba2Mixer``
@@ -455,6 +484,7 @@ PLANS: Mapping[str, Callable[[Mapping[str, Any], int], Plan]] = {
     "qwen3_5_text": _qwen3_5,
     "olmo_hybrid": _olmo_hybrid,
     "minimax": _minimax,
+    "bailing_hybrid": _bailing_hybrid,
     "mamba": _mamba,
     "falcon_mamba": functools.partial(_mamba, t="falcon_mamba"),
     "jamba": _jamba,
@@ -542,6 +572,7 @@ def load_transformers_layer(checkpoint: str | os.PathLike, layer_index: int, *,
   qwen3_5           ``linear_attn`` (Gated DeltaNet)       the same
   olmo_hybrid       ``linear_attn`` (Gated DeltaNet)       the same, ``β = 2σ``
   kimi_linear       ``self_attn`` (KDA)                    ``RecurrentMixer`` (``kda``)
+  bailing_hybrid    ``self_attn`` (KDA, full rank)         the same, bounded decay
   minimax           ``self_attn`` (lightning attention)    ``RecurrentMixer``
                                                            (``lightning``)
   mamba             ``mixer`` (``MambaMixer``)             :class:`MambaMixer`

@@ -182,6 +182,7 @@ class RecurrentMixer(nnx.Module):
   ``dt_bias``              [V·H]        ``dt_bias``                         kda
   ``f_proj.down.kernel``   [F, D]       ``f_proj.0.weight``                 kda
   ``f_proj.up.kernel``     [D, V·H]     ``f_proj.1.weight``                 kda
+  ``f_proj.kernel``        [F, V·H]     ``f_proj.weight`` (Bailing's)       kda, full rank
   ``gk_proj.down.kernel``  [F, 16]      ``gk_proj.0.weight``                gla
   ``gk_proj.up.kernel``    [16, V·H]    ``gk_proj.1.weight``                gla
   ``gk_proj.up.bias``      [V·H]        ``gk_proj.1.bias``                  gla
@@ -238,6 +239,13 @@ class RecurrentMixer(nnx.Module):
       deltanet only; on, its activation is the recipe's, swish unless kda).
     gate_bias: the low-rank output gate's bias ``g_proj.up.bias`` (kda only; default on,
       as flash-linear-attention's layer; Kimi Linear's checkpoints have none).
+    low_rank_gate: the output gate through rank D (default the recipe's: kda's); off, a
+      full-rank ``g_proj.kernel [F, O·D]`` (Bailing's KDA).
+    low_rank_decay: KDA's decay projection through rank D (default on); off, a full-rank
+      ``f_proj.kernel [F, V·H]`` (Bailing's).
+    decay_bound: KDA's bounded gate ``g = bound · σ(exp(A_log) (x W_f + dt_bias))`` in
+      ``(bound, 0)`` (Bailing's ``kda_lower_bound``, e.g. -5) instead of
+      ``-exp(A_log) softplus(x W_f + dt_bias)``.
     norm_eps: the output norm's eps.
     layer_index, num_layers: l and L, which set lightning's decays (lightning only).
     attention_options: the recurrence's options, e.g. ``{"chunk_size": 32}``.
@@ -281,7 +289,9 @@ class RecurrentMixer(nnx.Module):
                short_conv: bool | None = None, conv_size: int = 4,
                num_householder: int | None = None, allow_neg_eigval: bool | None = None,
                rotary: bool | None = None, output_gate: bool | None = None,
-               gate_bias: bool | None = None, norm_eps: float = 1e-5,
+               gate_bias: bool | None = None, low_rank_gate: bool | None = None,
+               low_rank_decay: bool | None = None, decay_bound: float | None = None,
+               norm_eps: float = 1e-5,
                layer_index: int | None = None, num_layers: int | None = None,
                attention_options: Mapping[str, Any] | None = None,
                dtype: Dtype | None = None, param_dtype: Dtype = jnp.float32,
@@ -360,14 +370,22 @@ class RecurrentMixer(nnx.Module):
     if recipe.decay == "mamba2":
       self.a_proj = linear(F, V, dtype=f32)
     elif recipe.decay == "kda":
-      self.f_proj = low_rank(F, D, V * H, use_bias=False)
+      self.f_proj = (low_rank(F, D, V * H, use_bias=False) if low_rank_decay in (None, True)
+                     else linear(F, V * H, dtype=f32))
     elif recipe.decay == "gla":
       self.gk_proj = low_rank(F, GLA_GATE_RANK, V * H)
     elif recipe.decay == "logsigmoid":
       self.gk_proj = linear(F, V, use_bias=True, dtype=f32)
     if recipe.beta:
       self.b_proj = linear(F, n * V, dtype=f32)
-    if gate_bias is not None and not (recipe.low_rank_gate and gate is not None):
+    if (low_rank_decay is not None or decay_bound is not None) and recipe.decay != "kda":
+      raise ValueError(f"{fn}: low_rank_decay and decay_bound shape KDA's decay; {name!r} has "
+                       "none of its own.")
+    if decay_bound is not None and not decay_bound < 0:
+      raise ValueError(f"{fn}: decay_bound must be negative; got {decay_bound!r}.")
+    self.decay_bound = decay_bound
+    low_rank_gate = recipe.low_rank_gate if low_rank_gate is None else bool(low_rank_gate)
+    if gate_bias is not None and not (low_rank_gate and gate is not None):
       raise ValueError(f"{fn}: gate_bias is the low-rank output gate's bias; {name!r} "
                        f"{'has a full-rank gate' if gate is not None else 'has no output gate'}.")
     self.g_proj = nnx.data(None)
@@ -376,7 +394,7 @@ class RecurrentMixer(nnx.Module):
                              use_bias=True if gate_bias is None else bool(gate_bias),
                              dtype=dtype, param_dtype=param_dtype, precision=precision,
                              rngs=rngs)
-                     if recipe.low_rank_gate else linear(F, O * D))
+                     if low_rank_gate else linear(F, O * D))
     self.o_norm = GatedRMSNorm(O * D if recipe.norm_over_heads else D, epsilon=norm_eps,
                                activation=gate, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.slope = nnx.data(None)
@@ -424,7 +442,10 @@ class RecurrentMixer(nnx.Module):
       f = self.f_proj(x)
       f = (f + expand_to(self.dt_bias.get_value().astype(jnp.float32), f)).reshape(lead + (V, H))
       a = jnp.exp(self.A_log.get_value().astype(jnp.float32))[:, None]  # [V, 1]
-      out[self._decay_name] = -expand_to(a, f) * jax.nn.softplus(f)
+      if self.decay_bound is None:
+        out[self._decay_name] = -expand_to(a, f) * jax.nn.softplus(f)
+      else:  # The bounded ("safe") gate: g in (decay_bound, 0).
+        out[self._decay_name] = self.decay_bound * jax.nn.sigmoid(expand_to(a, f) * f)
     elif recipe.decay == "gla":
       out[self._decay_name] = (jax.nn.log_sigmoid(self.gk_proj(x)) / GLA_GATE_NORMALIZER
                                ).reshape(lead + (V, H))
