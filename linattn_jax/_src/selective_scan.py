@@ -12,9 +12,13 @@ with ``Δ > 0`` the step size and ``A < 0``. Each step is an affine map of the s
 ``h ↦ a ⊙ h + w`` with ``a = exp(Δ A)`` and ``w = Δ x B``, and affine maps compose
 associatively: ``(a₁, w₁)`` then ``(a₂, w₂)`` is ``(a₁ a₂, a₂ w₁ + w₂)``. The forms
 here run that composition over chunks of C tokens, so that no ``[T, E, N]`` array of the
-whole sequence is ever formed: ``associative_scan`` (``lax.associative_scan`` within each
-chunk) and ``scan`` (``lax.scan`` within each chunk), with the chunks in a ``lax.scan``
-that carries ``h`` and recomputes each chunk in the backward pass (``jax.checkpoint``).
+whole sequence is ever formed, the chunks in a ``lax.scan`` that carries ``h``: ``scan``
+(``lax.scan`` within each chunk, the default) has a backward pass of its own, the same
+recurrence run in reverse over each chunk's states recomputed from its first (the forward
+keeps one state per chunk); ``associative_scan`` (``lax.associative_scan`` within each
+chunk) is differentiated by JAX, each chunk recomputed (``jax.checkpoint``). On 2 CPU
+cores, E = 1024, N = 16, T = 2048, forward plus backward: 0.22 s for ``scan`` against
+1.7 s for ``associative_scan`` (``experiments.state_space_benchmark``).
 A packed document (``segment_ids``) starts from a zero state: its first step has
 ``a = 0``.
 
@@ -154,8 +158,85 @@ def _chunk(h, p: _Inputs, *, form: str):
   return states[:, -1], y
 
 
+# The sequential form's own backward pass ------------------------------------------------
+# A step h_t = a_t h_{t-1} + w_t (a_t = exp(Δ_t A), 0 where a document starts; w_t = Δ_t x_t
+# B_t), read by y_t = Σ_n C_t h_t. Its cotangent runs the same recurrence in reverse:
+# g_t = C_t dy_t + a_{t+1} g_{t+1}, then dw_t = g_t and da_t = g_t h_{t-1}. The forward
+# keeps each chunk's first state; the backward recomputes the chunk's states from it,
+# then runs its reverse scan: no [T, E, N] array, and no autodiff through the scan.
+# Arrays per chunk: x, dt [B, C, G, r], b, c [B, C, G, N], keep [B, C] (0 at a start).
+
+
+def _chunk_states(h, x, dt, A, b, keep):
+  """``(a, states)`` of one chunk from its first state ``h``: ``[C, B, G, r, N]`` each."""
+  a = jnp.exp(dt[..., None] * A[None, None]) * keep[:, :, None, None, None]
+  w = (dt * x)[..., None] * b[:, :, :, None, :]
+
+  def step(h, aw):
+    h = aw[0] * h + aw[1]
+    return h, h
+  a, w = jnp.moveaxis(a, 1, 0), jnp.moveaxis(w, 1, 0)
+  return a, lax.scan(step, h, (a, w))[1]
+
+
+def _sequential_forward(x, dt, A, b, c, keep, h0):
+  """``((y [L, B, C, G, r], h_end), the first state of each chunk [L, B, G, r, N])``; the
+  chunked inputs lead with the chunk axis L."""
+  def run(h, chunk):
+    x, dt, b, c, keep = chunk
+    _, states = _chunk_states(h, x, dt, A, b, keep)
+    y = jnp.einsum("tbgrn,btgn->btgr", states, c)
+    return states[-1], (y, h)
+  h, (y, starts) = lax.scan(run, h0, (x, dt, b, c, keep))
+  return (y, h), starts
+
+
+@jax.custom_vjp
+def _sequential(x, dt, A, b, c, keep, h0):
+  return _sequential_forward(x, dt, A, b, c, keep, h0)[0]
+
+
+def _sequential_fwd(x, dt, A, b, c, keep, h0):
+  out, starts = _sequential_forward(x, dt, A, b, c, keep, h0)
+  return out, (x, dt, A, b, c, keep, starts)
+
+
+def _sequential_bwd(residuals, cotangents):
+  x, dt, A, b, c, keep, starts = residuals
+  dy, dh_end = cotangents
+
+  def chunk(carry, inputs):
+    g_next, dA = carry  # The cotangent of the chunk's last state, from later chunks.
+    x, dt, b, c, keep, h, dy = inputs
+    a, states = _chunk_states(h, x, dt, A, b, keep)  # [C, B, G, r, N]
+    before = jnp.concatenate([h[None], states[:-1]], 0)  # h_{t-1}
+    read = jnp.einsum("btgn,btgr->tbgrn", c, dy)  # C_t dy_t: what y_t reads of h_t.
+
+    def step(g_after, t_inputs):  # Only the recurrence runs step by step.
+      a_t, read_t = t_inputs
+      g = g_after + read_t
+      return a_t * g, g
+    g_in, g = lax.scan(step, g_next, (a, read), reverse=True)
+    da_log = g * before * a  # d(Δ A), the decay's exponent.
+    gb = jnp.einsum("tbgrn,btgn->btgr", g, b)
+    dx = gb * dt
+    ddt = jnp.einsum("tbgrn,grn->btgr", da_log, A) + gb * x
+    db = jnp.einsum("tbgrn,btgr->btgn", g, dt * x)
+    dc = jnp.einsum("tbgrn,btgr->btgn", states, dy)
+    dA = dA + jnp.einsum("tbgrn,btgr->grn", da_log, dt)
+    return (g_in, dA), (dx, ddt, db, dc)
+
+  (dh0, dA), (dx, ddt, db, dc) = lax.scan(
+      chunk, (dh_end, jnp.zeros_like(A)), (x, dt, b, c, keep, starts, dy), reverse=True)
+  return dx, ddt, dA, db, dc, jnp.zeros_like(keep), dh0
+
+
+_sequential.defvjp(_sequential_fwd, _sequential_bwd)
+
+
 def _chunked(p: _Inputs, *, form: str, chunk_size: int):
-  """The chunks in a ``lax.scan`` carrying ``h``, each recomputed in the backward pass."""
+  """The chunks in a ``lax.scan`` carrying ``h``: each recomputed in the backward pass
+  (``associative_scan``), or with the sequential form's own backward pass (``scan``)."""
   Bsz, T = p.x.shape[:2]
   C = min(chunk_size, T)
   pad = -T % C
@@ -165,6 +246,12 @@ def _chunked(p: _Inputs, *, form: str, chunk_size: int):
                    starts=widen(p.starts))
   L = (T + pad) // C
   split = lambda a: jnp.moveaxis(a.reshape((Bsz, L, C) + a.shape[2:]), 1, 0)  # noqa: E731
+  if form == "scan":
+    keep = 1.0 - p.starts.astype(p.x.dtype)
+    y, h = _sequential(*(split(a) for a in (p.x, p.dt)), p.A,
+                       *(split(a) for a in (p.b, p.c, keep)), p.h0)
+    y = jnp.moveaxis(y, 0, 1).reshape((Bsz, L * C) + y.shape[3:])
+    return h, y[:, :T]
   body = jax.checkpoint(functools.partial(_chunk, form=form))
 
   def run(h, chunk):
@@ -225,7 +312,7 @@ def selective_scan(x: ArrayLike, dt: ArrayLike, A: ArrayLike, b: ArrayLike, c: A
     initial_state: a :class:`SelectiveState` ``h [B, E, N]`` to continue.
     return_state: also return the state after the last position.
     chunk_size: C, the tokens a chunk's scan holds at once (default 32).
-    implementation: ``"associative_scan"`` (the default), ``"scan"`` or ``"reference"``
+    implementation: ``"scan"`` (the default), ``"associative_scan"`` or ``"reference"``
       (every pair of positions at once: ``[B, T, T, E, N]`` memory, for tests).
 
   Returns:
@@ -257,7 +344,7 @@ def selective_scan(x: ArrayLike, dt: ArrayLike, A: ArrayLike, b: ArrayLike, c: A
 
 def _run(x, dt, A, b, c, D, segment_ids, initial_state, return_state, chunk_size,
          implementation, *, fn: str):
-  form = "associative_scan" if implementation is None else implementation
+  form = "scan" if implementation is None else implementation
   if form not in _FORMS:
     raise ValueError(f"{fn}: implementation must be one of {list(_FORMS)}; got {form!r}.")
   size = _DEFAULT_CHUNK if chunk_size is None else chunk_size

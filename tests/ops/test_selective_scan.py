@@ -73,7 +73,7 @@ def _program(implementation, chunk_size):
 
 
 @pytest.mark.parametrize("implementation, chunk_size", [
-    ("scan", 4), ("associative_scan", 5), ("associative_scan", None)])
+    ("scan", 4), ("associative_scan", 5), (None, None)])
 def test_each_form_equals_the_oracle_forward_and_gradient(implementation, chunk_size):
   """Chunks of 4 and 5 over 13 tokens: boundaries inside and at documents, a padded
   last chunk; the default chunk is one chunk here."""
