@@ -13,6 +13,7 @@ and every parameter of the module set: anything else is a ``ValueError``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -650,13 +651,27 @@ def load_transformers_layer(checkpoint: str | os.PathLike, layer_index: int, *,
                      f"{model_type} table; they would be ignored.")
   from safetensors import safe_open
   params = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(module, nnx.Param))}
+  with contextlib.ExitStack() as stack:
+    opened = {file: stack.enter_context(safe_open(file, framework="flax"))
+              for file in sorted({files[plan.prefix + row.name] for row in plan.rows})}
+    _set(module, plan, model_type, params, param_dtype,
+         lambda name: opened[files[name]].get_tensor(name))
+  if params:  # A table that leaves a parameter unset is a bug of the table, not the user's.
+    raise AssertionError(f"{_FN}: the {model_type} table sets no value for {sorted(params)}.")
+  return module
+
+
+def _set(module: nnx.Module, plan: Plan, model_type: str, params: set[str], param_dtype: Any,
+         read: Callable[[str], jax.Array]) -> None:
+  """Sets ``module``'s parameters from the tensors ``read(name)`` returns (JAX arrays:
+  XLA transposes them, several times faster than numpy's strided copies), discarding each
+  from ``params``; then checks the derived buffers."""
   for row in plan.rows:
     name = plan.prefix + row.name
-    with safe_open(files[name], framework="flax") as f:
-      tensor = f.get_tensor(name)
-    ours = (row.ours,) if isinstance(row.ours, str) else row.ours
     if row.layout == "derived":
       continue  # Checked once the parameters are set.
+    tensor = read(name)
+    ours = (row.ours,) if isinstance(row.ours, str) else row.ours
     variables = [_variable(module, p) for p in ours]
     shapes = [_torch_shape(tuple(v.get_value().shape), row.layout) for v in variables]
     want = (sum(s[0] for s in shapes),) + shapes[0][1:] if row.parts else shapes[0]
@@ -673,12 +688,8 @@ def load_transformers_layer(checkpoint: str | os.PathLike, layer_index: int, *,
     if row.layout != "derived":
       continue
     name = plan.prefix + row.name
-    with safe_open(files[name], framework="flax") as f:
-      stored = np.asarray(f.get_tensor(name), np.float64)
+    stored = np.asarray(read(name)).astype(np.float64)
     want = plan.derived(module, row.name)
     if stored.shape != want.shape or not np.allclose(stored, want, rtol=1e-2, atol=1e-6):
       raise ValueError(f"{_FN}: tensor {name} {stored.shape} disagrees with what the "
                        f"{model_type} layer computes from its parameters {want.shape}.")
-  if params:  # A table that leaves a parameter unset is a bug of the table, not the user's.
-    raise AssertionError(f"{_FN}: the {model_type} table sets no value for {sorted(params)}.")
-  return module
