@@ -93,6 +93,9 @@ def _silu(config: Mapping[str, Any], model_type: str, name: str = "hidden_act") 
     raise ValueError(f"{_FN}: {model_type} with {name}={act!r}; the layer takes silu only.")
 
 
+# --- The Gated DeltaNet layers -------------------------------------------------------------
+
+
 def _qwen3_next(config: Mapping[str, Any], index: int) -> Plan:
   """Qwen3-Next's (and Qwen3.5's) Gated DeltaNet: ``in_proj_qkvz`` is K runs of
   ``[q (H) | k (H) | v (r·D) | z (r·D)]`` and ``in_proj_ba`` K runs of ``[b (r) | a (r)]``
@@ -120,41 +123,6 @@ def _qwen3_next(config: Mapping[str, Any], index: int) -> Plan:
       Row("norm.weight", "o_norm.scale"),
       Row("out_proj.weight", "o_proj.kernel", "linear"),
   ))
-
-
-def _minimax(config: Mapping[str, Any], index: int) -> Plan:
-  """MiniMax-01's lightning attention (its ``linear_attention`` layers): ``qkv_proj`` is N
-  runs of ``[q | k | v]``; ``slope_rate`` holds each head's decay rate, and the block
-  decays beside it are recomputed from it."""
-  t = "minimax"
-  _kind(config, index, t, "linear_attention")
-  _silu(config, t)
-  f = lambda name: _field(config, name, t)  # noqa: E731
-  F, N, d = f("hidden_size"), f("num_attention_heads"), f("head_dim")
-
-  def build(**settings):
-    return RecurrentMixer("lightning", F, N, head_dim=d, norm_eps=1e-6, layer_index=index,
-                          num_layers=f("num_hidden_layers"), **settings)
-
-  def derived(module, name):
-    s = np.asarray(module.slope.get_value(), np.float64)[:, None]  # [N, 1]
-    i = np.arange(f("block_size"), dtype=np.float64)
-    if name == "query_decay":
-      return np.exp(-s * (i + 1))[..., None]  # [N, b, 1]
-    if name == "key_decay":
-      return np.exp(-s * (i[::-1]))[..., None]
-    gap = i[:, None] - i[None, :]  # diagonal_decay [1, N, b, b]
-    return np.where(gap >= 0, np.exp(-s[..., None] * np.maximum(gap, 0)), 0.0)[None]
-
-  return Plan(build, f"model.layers.{index}.self_attn.", (
-      Row("qkv_proj.weight", ("q_proj.kernel", "k_proj.kernel", "v_proj.kernel"), "linear",
-          (d, d, d), N),
-      Row("output_gate.weight", "g_proj.kernel", "linear"),
-      Row("norm.weight", "o_norm.scale"),
-      Row("out_proj.weight", "o_proj.kernel", "linear"),
-      Row("slope_rate", "slope"),  # [N, 1, 1] as [N].
-      *(Row(name, (), "derived") for name in ("query_decay", "key_decay", "diagonal_decay")),
-  ), derived)
 
 
 def _qwen3_5(config: Mapping[str, Any], index: int) -> Plan:
@@ -213,6 +181,9 @@ def _olmo_hybrid(config: Mapping[str, Any], index: int) -> Plan:
   ))
 
 
+# --- The KDA layers ------------------------------------------------------------------------
+
+
 def _kimi_linear(config: Mapping[str, Any], index: int) -> Plan:
   """Kimi Linear's KDA layers (``linear_attn_config.kda_layers``, counted from 1): the
   checkpoint stores the convolutions split and the forget gate's tensors at the top."""
@@ -245,23 +216,6 @@ def _kimi_linear(config: Mapping[str, Any], index: int) -> Plan:
   ))
 
 
-class _Mamba2Sizes(NamedTuple):
-  """A Mamba-2 layer's settings, read from whichever fields its model type names them by."""
-
-  hidden: int
-  heads: int
-  head_dim: int
-  inner: int  # expand · hidden, which heads · head_dim must equal.
-  state: int
-  groups: int
-  conv: int
-  conv_bias: bool
-  bias: bool
-  eps: float
-  limit: tuple[float, float]
-  options: Mapping[str, Any] = {}  # Falcon-H1's: Mamba2Mixer's keywords.
-
-
 def _bailing_hybrid(config: Mapping[str, Any], index: int) -> Plan:
   """Bailing's hybrid (Ling): KDA layers (``linear_attention``) with full-rank decay and
   gate projections and, with ``kda_safe_gate``, the bounded decay; the checkpoint keeps
@@ -289,6 +243,64 @@ def _bailing_hybrid(config: Mapping[str, Any], index: int) -> Plan:
       Row("o_norm.weight", "o_norm.scale"),
       Row("dense.weight", "o_proj.kernel", "linear"),
   ))
+
+
+# --- Lightning attention -------------------------------------------------------------------
+
+
+def _minimax(config: Mapping[str, Any], index: int) -> Plan:
+  """MiniMax-01's lightning attention (its ``linear_attention`` layers): ``qkv_proj`` is N
+  runs of ``[q | k | v]``; ``slope_rate`` holds each head's decay rate, and the block
+  decays beside it are recomputed from it."""
+  t = "minimax"
+  _kind(config, index, t, "linear_attention")
+  _silu(config, t)
+  f = lambda name: _field(config, name, t)  # noqa: E731
+  F, N, d = f("hidden_size"), f("num_attention_heads"), f("head_dim")
+
+  def build(**settings):
+    return RecurrentMixer("lightning", F, N, head_dim=d, norm_eps=1e-6, layer_index=index,
+                          num_layers=f("num_hidden_layers"), **settings)
+
+  def derived(module, name):
+    s = np.asarray(module.slope.get_value(), np.float64)[:, None]  # [N, 1]
+    i = np.arange(f("block_size"), dtype=np.float64)
+    if name == "query_decay":
+      return np.exp(-s * (i + 1))[..., None]  # [N, b, 1]
+    if name == "key_decay":
+      return np.exp(-s * (i[::-1]))[..., None]
+    gap = i[:, None] - i[None, :]  # diagonal_decay [1, N, b, b]
+    return np.where(gap >= 0, np.exp(-s[..., None] * np.maximum(gap, 0)), 0.0)[None]
+
+  return Plan(build, f"model.layers.{index}.self_attn.", (
+      Row("qkv_proj.weight", ("q_proj.kernel", "k_proj.kernel", "v_proj.kernel"), "linear",
+          (d, d, d), N),
+      Row("output_gate.weight", "g_proj.kernel", "linear"),
+      Row("norm.weight", "o_norm.scale"),
+      Row("out_proj.weight", "o_proj.kernel", "linear"),
+      Row("slope_rate", "slope"),  # [N, 1, 1] as [N].
+      *(Row(name, (), "derived") for name in ("query_decay", "key_decay", "diagonal_decay")),
+  ), derived)
+
+
+# --- The Mamba-2 layers: one table, each model type's field names --------------------------
+
+
+class _Mamba2Sizes(NamedTuple):
+  """A Mamba-2 layer's settings, read from whichever fields its model type names them by."""
+
+  hidden: int
+  heads: int
+  head_dim: int
+  inner: int  # expand · hidden, which heads · head_dim must equal.
+  state: int
+  groups: int
+  conv: int
+  conv_bias: bool
+  bias: bool
+  eps: float
+  limit: tuple[float, float]
+  options: Mapping[str, Any] = {}  # Falcon-H1's: Mamba2Mixer's keywords.
 
 
 def _mamba2_plan(t: str, m: _Mamba2Sizes, prefix: str) -> Plan:
@@ -408,6 +420,9 @@ def _zamba2(config: Mapping[str, Any], index: int) -> Plan:
       (f("time_step_min"), math.inf)), f"model.layers.{index}.{where}.")
 
 
+# --- The Mamba-1 layers --------------------------------------------------------------------
+
+
 def _mamba_plan(t: str, config: Mapping[str, Any], prefix: str, *, F: int, E: int, S: int,
                 W: int, R: Any, conv_bias: bool, bias: bool, norm: str | None = None,
                 norm_eps: float = 1e-6) -> Plan:
@@ -459,6 +474,9 @@ def _jamba(config: Mapping[str, Any], index: int) -> Plan:
                      E=int(f("mamba_expand") * F), S=f("mamba_d_state"), W=f("mamba_d_conv"),
                      R=f("mamba_dt_rank"), conv_bias=f("mamba_conv_bias"),
                      bias=f("mamba_proj_bias"), norm="learned", norm_eps=f("rms_norm_eps"))
+
+
+# --- The gated short convolution -----------------------------------------------------------
 
 
 def _lfm2(config: Mapping[str, Any], index: int) -> Plan:
