@@ -71,7 +71,7 @@ class _Inputs(NamedTuple):
   h0: jax.Array  # [B, G, r, N]
 
 
-def _check(x, dt, A, b, c, D, segment_ids, initial_state, *, fn: str, step: bool = False):
+def _check(x, dt, A, b, c, D, *, segment_ids, initial_state, fn: str, step: bool = False):
   """Shapes and dtypes, named in the errors; returns the float arrays and (B, T, E, G, N)."""
   x, dt, A, b, c = (jnp.asarray(a) for a in (x, dt, A, b, c))
   lead = 2 if step else 3
@@ -110,7 +110,7 @@ def _check(x, dt, A, b, c, D, segment_ids, initial_state, *, fn: str, step: bool
   return x, dt, A, b, c, G, N
 
 
-def _grouped(x, dt, A, b, c, D, segment_ids, initial_state) -> tuple[_Inputs, Any]:
+def _grouped(x, dt, A, b, c, D, *, segment_ids, initial_state) -> tuple[_Inputs, Any]:
   """The inputs in the accumulation dtype, channels as [G, r]."""
   Bsz, T, E = x.shape
   G, N = b.shape[-2], b.shape[-1]
@@ -338,20 +338,22 @@ def selective_scan(x: ArrayLike, dt: ArrayLike, A: ArrayLike, b: ArrayLike, c: A
   References:
     Gu and Dao, "Mamba: Linear-Time Sequence Modeling with Selective State Spaces", 2023.
   """
-  return _run(x, dt, A, b, c, D, segment_ids, initial_state, return_state, chunk_size,
-              implementation, fn=_FN)
+  return _run(x, dt, A, b, c, D, segment_ids=segment_ids, initial_state=initial_state,
+              return_state=return_state, chunk_size=chunk_size,
+              implementation=implementation, fn=_FN)
 
 
-def _run(x, dt, A, b, c, D, segment_ids, initial_state, return_state, chunk_size,
-         implementation, *, fn: str):
+def _run(x, dt, A, b, c, D, *, segment_ids, initial_state, return_state, chunk_size,
+         implementation, fn: str):
   form = "scan" if implementation is None else implementation
   if form not in _FORMS:
     raise ValueError(f"{fn}: implementation must be one of {list(_FORMS)}; got {form!r}.")
   size = _DEFAULT_CHUNK if chunk_size is None else chunk_size
   if not isinstance(size, int) or isinstance(size, bool) or size < 1:
     raise ValueError(f"{fn}: chunk_size must be a positive int; got {chunk_size!r}.")
-  x, dt, A, b, c, _, _ = _check(x, dt, A, b, c, D, segment_ids, initial_state, fn=fn)
-  p, Dg = _grouped(x, dt, A, b, c, D, segment_ids, initial_state)
+  x, dt, A, b, c, _, _ = _check(x, dt, A, b, c, D, segment_ids=segment_ids,
+                                initial_state=initial_state, fn=fn)
+  p, Dg = _grouped(x, dt, A, b, c, D, segment_ids=segment_ids, initial_state=initial_state)
   h, y = _reference(p) if form == "reference" else _chunked(p, form=form, chunk_size=size)
   return _finish(x, y, Dg, h, return_state=return_state)
 
@@ -379,7 +381,8 @@ def selective_scan_reference(x: ArrayLike, dt: ArrayLike, A: ArrayLike, b: Array
   References:
     Gu and Dao, "Mamba: Linear-Time Sequence Modeling with Selective State Spaces", 2023.
   """
-  return _run(x, dt, A, b, c, D, segment_ids, initial_state, return_state, None, "reference",
+  return _run(x, dt, A, b, c, D, segment_ids=segment_ids, initial_state=initial_state,
+              return_state=return_state, chunk_size=None, implementation="reference",
               fn="selective_scan_reference")
 
 
@@ -406,7 +409,8 @@ def selective_scan_step(state: SelectiveState, x: ArrayLike, dt: ArrayLike, A: A
     Gu and Dao, "Mamba: Linear-Time Sequence Modeling with Selective State Spaces", 2023.
   """
   fn = "selective_scan_step"
-  x, dt, A, b, c, G, N = _check(x, dt, A, b, c, D, None, state, fn=fn, step=True)
+  x, dt, A, b, c, G, N = _check(x, dt, A, b, c, D, segment_ids=None, initial_state=state,
+                                fn=fn, step=True)
   Bsz, E = x.shape
   acc = checks.accumulation_dtype(x.dtype)
   r = E // G

@@ -111,6 +111,12 @@ def test_packed_split_and_stepped_calls_equal_the_one_pass():
   np.testing.assert_allclose(jnp.stack(ys, 1), full, atol=atol, rtol=rtol)
   # Row 0's third document (from position 5) alone, from a zero state.
   packed = run(x, dt, A, b, c, D, segment_ids=IDS, initial_state=h0)[0]
+  # Every keyword eagerly too (the jitted calls above and in the parity test take them all).
+  eager, eager_state = la.selective_scan(x, dt, A, b, c, D, segment_ids=IDS, initial_state=h0,
+                                         return_state=True, chunk_size=4,
+                                         implementation="associative_scan")
+  np.testing.assert_allclose(eager, packed, atol=atol, rtol=rtol)
+  assert eager_state.h.shape == h0.h.shape
   alone = run(*(a[:1, 5:] for a in (x, dt)), A, *(a[:1, 5:] for a in (b, c)), D)[0]
   np.testing.assert_allclose(packed[:1, 5:], alone, atol=atol, rtol=rtol)
 

@@ -96,6 +96,13 @@ def _silu(config: Mapping[str, Any], model_type: str, name: str = "hidden_act") 
 # --- The Gated DeltaNet layers -------------------------------------------------------------
 
 
+def _separate(projections: str) -> list[Row]:
+  """The rows of projections kept apart (``{x}_proj.weight``, for each letter x) and of the
+  short convolutions on q, k and v (``{x}_conv1d.weight``)."""
+  return ([Row(f"{x}_proj.weight", f"{x}_proj.kernel", "linear") for x in projections]
+          + [Row(f"{x}_conv1d.weight", f"{x}_conv.kernel", "conv") for x in "qkv"])
+
+
 def _qwen3_next(config: Mapping[str, Any], index: int) -> Plan:
   """Qwen3-Next's (and Qwen3.5's) Gated DeltaNet: ``in_proj_qkvz`` is K runs of
   ``[q (H) | k (H) | v (r·D) | z (r·D)]`` and ``in_proj_ba`` K runs of ``[b (r) | a (r)]``
@@ -172,9 +179,7 @@ def _olmo_hybrid(config: Mapping[str, Any], index: int) -> Plan:
                           conv_size=W, allow_neg_eigval=bool(f("linear_allow_neg_eigval")),
                           norm_eps=1e-5, **settings)
 
-  rows = [Row(f"{x}_proj.weight", f"{x}_proj.kernel", "linear") for x in "qkvabg"]
-  rows += [Row(f"{x}_conv1d.weight", f"{x}_conv.kernel", "conv") for x in "qkv"]
-  return Plan(build, f"model.layers.{index}.linear_attn.", tuple(rows) + (
+  return Plan(build, f"model.layers.{index}.linear_attn.", (*_separate("qkvabg"),
       Row("A_log", "A_log"), Row("dt_bias", "dt_bias"),
       Row("o_norm.weight", "o_norm.scale"),
       Row("o_proj.weight", "o_proj.kernel", "linear"),
@@ -201,9 +206,7 @@ def _kimi_linear(config: Mapping[str, Any], index: int) -> Plan:
     return RecurrentMixer("kda", F, N, head_dim=H, conv_size=W, gate_bias=False,
                           norm_eps=_field(config, "rms_norm_eps", t), **settings)
 
-  rows = [Row(f"{x}_proj.weight", f"{x}_proj.kernel", "linear") for x in "qkv"]
-  rows += [Row(f"{x}_conv1d.weight", f"{x}_conv.kernel", "conv") for x in "qkv"]
-  return Plan(build, f"model.layers.{index}.self_attn.", tuple(rows) + (
+  return Plan(build, f"model.layers.{index}.self_attn.", (*_separate("qkv"),
       Row("f_a_proj.weight", "f_proj.down.kernel", "linear"),
       Row("f_b_proj.weight", "f_proj.up.kernel", "linear"),
       Row("dt_bias", "dt_bias"),
@@ -236,9 +239,7 @@ def _bailing_hybrid(config: Mapping[str, Any], index: int) -> Plan:
                           low_rank_decay=False, decay_bound=bound,
                           norm_eps=f("rms_norm_eps"), **settings)
 
-  rows = [Row(f"{x}_proj.weight", f"{x}_proj.kernel", "linear") for x in "qkvfbg"]
-  rows += [Row(f"{x}_conv1d.weight", f"{x}_conv.kernel", "conv") for x in "qkv"]
-  return Plan(build, f"model.layers.{index}.attention.", tuple(rows) + (
+  return Plan(build, f"model.layers.{index}.attention.", (*_separate("qkvfbg"),
       Row("dt_bias", "dt_bias"), Row("A_log", "A_log"),
       Row("o_norm.weight", "o_norm.scale"),
       Row("dense.weight", "o_proj.kernel", "linear"),
