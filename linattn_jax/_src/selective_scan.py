@@ -343,14 +343,21 @@ def selective_scan(x: ArrayLike, dt: ArrayLike, A: ArrayLike, b: ArrayLike, c: A
               implementation=implementation, fn=_FN)
 
 
-def _run(x, dt, A, b, c, D, *, segment_ids, initial_state, return_state, chunk_size,
-         implementation, fn: str):
+def check_options(chunk_size: Any, implementation: Any, *, fn: str) -> tuple[int, str]:
+  """``(chunk size, form)`` for :func:`selective_scan`'s options (defaults filled in), or a
+  ValueError naming the bad one; no arrays (a layer checks its options when built)."""
   form = "scan" if implementation is None else implementation
   if form not in _FORMS:
     raise ValueError(f"{fn}: implementation must be one of {list(_FORMS)}; got {form!r}.")
   size = _DEFAULT_CHUNK if chunk_size is None else chunk_size
   if not isinstance(size, int) or isinstance(size, bool) or size < 1:
     raise ValueError(f"{fn}: chunk_size must be a positive int; got {chunk_size!r}.")
+  return size, form
+
+
+def _run(x, dt, A, b, c, D, *, segment_ids, initial_state, return_state, chunk_size,
+         implementation, fn: str):
+  size, form = check_options(chunk_size, implementation, fn=fn)
   x, dt, A, b, c, _, _ = _check(x, dt, A, b, c, D, segment_ids=segment_ids,
                                 initial_state=initial_state, fn=fn)
   p, Dg = _grouped(x, dt, A, b, c, D, segment_ids=segment_ids, initial_state=initial_state)

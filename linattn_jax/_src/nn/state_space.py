@@ -40,7 +40,7 @@ from linattn_jax._src.nn.parts import (
     expand_to,
 )
 from linattn_jax._src.registry import get_spec
-from linattn_jax._src.selective_scan import SelectiveState, selective_scan
+from linattn_jax._src.selective_scan import SelectiveState, check_options, selective_scan
 
 
 class Mamba2Mixer(nnx.Module):
@@ -316,9 +316,7 @@ class MambaMixer(nnx.Module):
     R = self.time_step_rank = math.ceil(F / 16) if time_step_rank is None else positive(
         time_step_rank, "time_step_rank")
     self.scan_options = {"chunk_size": chunk_size, "implementation": implementation}
-    selective_scan(jnp.zeros((1, 1, 1)), jnp.zeros((1, 1, 1)), jnp.zeros((1, 1)),
-                   jnp.zeros((1, 1, 1, 1)), jnp.zeros((1, 1, 1, 1)),
-                   **self.scan_options)  # A bad option raises here, naming it.
+    check_options(chunk_size, implementation, fn=fn)  # A bad option raises here, naming it.
     self.dtype = dtype
     linear = lambda i, o, bias, **kw: nnx.Linear(  # noqa: E731
         i, o, use_bias=bias, dtype=dtype, param_dtype=param_dtype, precision=precision,
