@@ -117,6 +117,29 @@ def _inverse_by_halves(M: jax.Array) -> jax.Array:
                           jnp.concatenate([below, D_inv], axis=-1)], axis=-2)
 
 
+@jax.custom_jvp
+def solve_unit_lower(M: jax.Array, b: jax.Array) -> jax.Array:
+  """``u = M⁻¹ b`` for unit lower triangular ``M [..., C, C]`` (only its strictly lower
+  part is read) and ``b [..., C, D]``, by :func:`unit_lower_inverse`. Differentiated
+  through the inverse it formed, ``du = M⁻¹ (db - tril(dM) u)``, whose transpose is the
+  backward pass's two products::
+
+      ∂b = M⁻ᵀ ∂u     ∂M = -tril(∂b uᵀ)
+
+  (rather than the transposed levels of the inverse; with tril the strictly lower part);
+  forward mode works too.
+  """
+  return exact_matmul(unit_lower_inverse(M), b)
+
+
+@solve_unit_lower.defjvp
+def _solve_unit_lower_jvp(primals, tangents):
+  (M, b), (dM, db) = primals, tangents
+  inverse = unit_lower_inverse(M)
+  u = exact_matmul(inverse, b)
+  return u, exact_matmul(inverse, db - exact_matmul(jnp.tril(dM, -1), u))
+
+
 def _delta_writes(S, chunk: recurrence.Chunk, kk: jax.Array | None = None):
   """The chunk's writes ``u [B, K, C, D]`` by one unit triangular inverse (the WY/UT form),
   ``U = (I + L)⁻¹ diag(β) (V - (K ⊙ Γ) S_0)`` with ``L_ij = β_i Σ_h k_ih k_jh Γ_ih / Γ_jh``
@@ -131,7 +154,7 @@ def _delta_writes(S, chunk: recurrence.Chunk, kk: jax.Array | None = None):
   L = jnp.where(strictly_lower, beta * kk, 0)
   system = L + jnp.eye(C, dtype=L.dtype)[None, None]
   read = jnp.einsum("bkih,bkhd->bkid", k * jnp.exp(prefix), S)  # (S_0ᵀ diag(Γ_i) k_i)ᵀ
-  u = exact_matmul(unit_lower_inverse(system), beta * (chunk.v - read))
+  u = solve_unit_lower(system, beta * (chunk.v - read))
   to_end = jnp.exp(suffix_sums(g, 2))  # [B, K, C, H|1]: Γ_C / Γ_j
   S_end = (jnp.exp(prefix[:, :, -1])[..., None] * S
            + jnp.einsum("bkjh,bkjd->bkhd", k * to_end, u))
@@ -159,11 +182,14 @@ def _delta_chunk(config, S, chunk: recurrence.Chunk):
     u, prefix, S_end = _delta_writes(S, chunk, kk=kk)
     prefix = prefix[:, :, rows]
   else:
-    # The keys' and the queries' pair weights against the keys in one call: their decays
-    # (with one per key feature, most of the work) are formed once.
-    weights = pair_weights(jnp.concatenate([k, q], axis=2), k, g)  # [B, K, 1 + G, C, C]
-    u, prefix, S_end = _delta_writes(S, chunk, kk=weights[:, :, 0])
-    a = weights[:, :, 1:]  # [B, K, G, C, C]
+    if g.shape[-1] == 1:  # One decay matrix: the keys' and the queries' weights apart
+      # (one Γ broadcast over both summed its gradient over them: slow on XLA:CPU).
+      kk, a = pair_weights(k, k, g)[:, :, 0], pair_weights(q, k, g)
+    else:  # The keys' and the queries' in one call: their decays (with one per key
+      # feature, most of the work) are formed once.
+      weights = pair_weights(jnp.concatenate([k, q], axis=2), k, g)  # [B, K, 1 + G, C, C]
+      kk, a = weights[:, :, 0], weights[:, :, 1:]  # [B, K, G, C, C]
+    u, prefix, S_end = _delta_writes(S, chunk, kk=kk)
   out = (jnp.einsum("bkgij,bkjd->bkgid", a, u)
          + jnp.einsum("bkgih,bkhd->bkgid", q * jnp.exp(prefix)[:, :, None], S))
   if out.shape[3] != C:  # The rows read, each after stride - 1 zero rows.

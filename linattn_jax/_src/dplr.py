@@ -47,7 +47,7 @@ from linattn_jax._src.delta import (
     affine_identity,
     combine_delta,
     exact_matmul,
-    unit_lower_inverse,
+    solve_unit_lower,
 )
 from linattn_jax._src.gated import (
     GatedState,
@@ -81,8 +81,8 @@ def _dplr_writes(S, chunk: recurrence.Chunk):
   A_ab, A_ak = jnp.concatenate([jnp.zeros_like(shifted[..., :1, :]), shifted[..., :-1, :]], -2)
   read = jnp.einsum("bkih,bkhd->bkid", a * jnp.exp(before), S)  # (S_0ᵀ diag(Γ_{i-1}) a_i)ᵀ
   C = k.shape[2]
-  w = exact_matmul(unit_lower_inverse(jnp.eye(C, dtype=A_ab.dtype)[None, None] - A_ab),
-                   read + exact_matmul(A_ak, v))
+  w = solve_unit_lower(jnp.eye(C, dtype=A_ab.dtype)[None, None] - A_ab,
+                       read + exact_matmul(A_ak, v))
   to_end = jnp.exp(suffix_sums(g, 2))  # Γ_C / Γ_j
   S_end = (jnp.exp(prefix[:, :, -1])[..., None] * S
            + jnp.einsum("bkjh,bkjd->bkhd", b * to_end, w)

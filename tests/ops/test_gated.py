@@ -179,6 +179,28 @@ def test_delta_chunks_invert_their_system_by_halves(chunk_size):
   chex.assert_trees_all_close((out, state.kv), (want, want_state), atol=2e-5, rtol=2e-5)
 
 
+def test_the_triangular_solve_differentiates_as_a_linear_solve_in_both_modes():
+  """``solve_unit_lower`` (its derivative from the inverse it forms) against
+  ``jnp.linalg.solve`` of the same unit lower system: value, forward mode (``jvp``) and
+  reverse mode, eagerly and under jit, at a size the halves pad (6 = 4 + 2). Only the
+  strictly lower part of M is read, so a tangent above it changes nothing."""
+  rng = np.random.default_rng(0)
+  C, D = 6, 3
+  M = np.tril(rng.standard_normal((2, C, C)), -1) / 2 + np.eye(C)
+  b, ct = rng.standard_normal((2, C, D)), rng.standard_normal((2, C, D))
+  dM, db = rng.standard_normal((2, C, C)), rng.standard_normal((2, C, D))
+  M, b, ct, dM, db = (jnp.asarray(x, jnp.float32) for x in (M, b, ct, dM, db))
+  lower = lambda M: jnp.tril(M, -1) + jnp.eye(C)[None]  # noqa: E731
+  plain = lambda M, b: jnp.linalg.solve(lower(M), b)  # noqa: E731
+  for solve in (delta_rule.solve_unit_lower, jax.jit(delta_rule.solve_unit_lower)):
+    got = jax.jvp(solve, (M, b), (dM, db))
+    chex.assert_trees_all_close(got, jax.jvp(plain, (M, b), (dM, db)), atol=1e-5, rtol=1e-5)
+    grads = jax.grad(lambda M, b, f=solve: jnp.sum(ct * f(M, b)), argnums=(0, 1))(M, b)
+    want = jax.grad(lambda M, b: jnp.sum(ct * plain(M, b)), argnums=(0, 1))(M, b)
+    chex.assert_trees_all_close(grads, want, atol=1e-5, rtol=1e-5)
+    assert not np.any(np.triu(np.asarray(grads[0])))  # Nothing on or above the diagonal.
+
+
 def test_pair_weights_per_feature_equal_the_sum_over_features():
   """The recursive halving of :func:`decays.pair_weights` against the ``[C, C, H]`` sum it
   avoids (float64; lengths that are no power of two; a reset; query heads broadcast)."""
