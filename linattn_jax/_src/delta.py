@@ -182,9 +182,12 @@ def _delta_chunk(config, S, chunk: recurrence.Chunk):
     u, prefix, S_end = _delta_writes(S, chunk, kk=kk)
     prefix = prefix[:, :, rows]
   else:
-    if g.shape[-1] == 1:  # One decay matrix: the keys' and the queries' weights apart
-      # (one Γ broadcast over both summed its gradient over them: slow on XLA:CPU).
-      kk, a = pair_weights(k, k, g)[:, :, 0], pair_weights(q, k, g)
+    if g.shape[-1] == 1:  # One decay matrix Γ, applied to the keys' and the queries'
+      # products apart (broadcast over both, its gradient was a sum over them: slow on
+      # XLA:CPU).
+      products = jnp.einsum("bkgih,bkjh->bkgij", jnp.concatenate([k, q], axis=2), chunk.fk)
+      decay = jnp.exp(segment_sums(g[:, :, 0, :, 0], -1))  # [B, K, C, C]: 0 where j > i.
+      kk, a = products[:, :, 0] * decay, products[:, :, 1:] * decay[:, :, None]
     else:  # The keys' and the queries' in one call: their decays (with one per key
       # feature, most of the work) are formed once.
       weights = pair_weights(jnp.concatenate([k, q], axis=2), k, g)  # [B, K, 1 + G, C, C]
