@@ -247,7 +247,7 @@ class DeltaFamily(MatrixFamily):
     return (beta, TokenInput("log_decay", Role.DECAY, per_feature=per_feature))
 
   def chunk_form(self, token_inputs):
-    return "kda" if any(x.per_feature for x in token_inputs) else "kernel"
+    return "kda" if any(x.per_feature for x in token_inputs) else "delta"
 
   def gates(self, inputs, chunk):
     beta = inputs["beta"]
@@ -330,7 +330,7 @@ def delta_rule_attention(
       (token by token on ``lax.scan``) or ``"chunked"`` (the default: the
       WY/UT chunk form, one unit triangular inverse per chunk).
     chunk_size: positions per chunk of ``"scan"`` and ``"chunked"``.
-      None: the default backend's measured best, 64 on CPU and 256 on GPU; with a decay
+      None: the default backend's measured best, 32 on CPU and 256 on GPU; with a decay
       per key feature (KDA) 16 (docs/benchmarks.md#chunk-size).
 
   Returns:

@@ -63,16 +63,19 @@ from linattn_jax._src.registry import (
     register_attention,
 )
 
-# The chunked forms whose default C differs: kernel reads (and the per-head gated and
-# delta-rule forms), kernel reads of random features (Performer: M = 4H and more, the
-# feature projection runs in the chunk body), per-feature reads (Shen, Heinsen), and
-# GLA's decay per key feature, the delta rule's (KDA), DPLR's; Heinsen's log-values.
-ChunkForm = Literal["kernel", "random_features", "per_feature", "gla", "kda", "dplr", "log_value"]
+# The chunked forms whose default C differs: kernel reads (and the per-head gated form),
+# the delta rule's with a decay per head or none, kernel reads of random features
+# (Performer: M = 4H and more, the feature projection runs in the chunk body), per-feature
+# reads (Shen, Heinsen), and GLA's decay per key feature, the delta rule's (KDA), DPLR's;
+# Heinsen's log-values.
+ChunkForm = Literal["kernel", "delta", "random_features", "per_feature", "gla", "kda", "dplr",
+                    "log_value"]
 # C of a form's chunked implementation when ``chunk_size=None``, by
 # ``jax.default_backend()`` (None: any other backend, TPU included, unmeasured); each the
 # fastest measured (docs/benchmarks.md#chunk-size).
 _DEFAULT_CHUNK_SIZES: dict[str, dict[str | None, int]] = {
     "kernel": {"gpu": 256, None: 64},
+    "delta": {"gpu": 256, None: 32},
     "random_features": {"gpu": 512, None: 128},
     "per_feature": {None: 64},
     "gla": {"gpu": 256, None: 128},

@@ -220,7 +220,7 @@ def test_registry_entries_fix_the_feature_map(name, feature_map):
     (la.performer_attention, {"projection": jnp.ones((4, 8))}, "random_features"),
     (la.gated_linear_attention, {"log_decay": -jnp.ones((1, 80, 2))}, "kernel"),
     (la.gated_linear_attention, {"log_decay": -jnp.ones((1, 80, 2, 8))}, "gla"),
-    (la.delta_rule_attention, {"beta": jnp.ones((1, 80, 2)) / 2}, "kernel"),
+    (la.delta_rule_attention, {"beta": jnp.ones((1, 80, 2)) / 2}, "delta"),
 ], ids=["linear", "performer", "gated-per-head", "gla-per-feature", "delta"])
 def test_chunk_size_none_is_the_backends_measured_default(fn, extra, form):
   """``chunk_size=None`` traces the program of the backend's C for the chunked form; T = 80
@@ -231,6 +231,7 @@ def test_chunk_size_none_is_the_backends_measured_default(fn, extra, form):
   assert recurrence.default_chunk_size() == {"gpu": 256}.get(backend, 64)
   assert recurrence.default_chunk_size("random_features") == {"gpu": 512}.get(backend, 128)
   assert recurrence.default_chunk_size("gla") == {"gpu": 256}.get(backend, 128)
+  assert recurrence.default_chunk_size("delta") == {"gpu": 256}.get(backend, 32)
   assert recurrence.default_chunk_size("per_feature") == 64
   q, k, v = make_qkv(Shape(B=1, T=80, S=80, N=2, K=2, H=8, D=4))
 
