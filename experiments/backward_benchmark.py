@@ -34,7 +34,6 @@ import importlib
 import pathlib
 import statistics
 import sys
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -119,8 +118,9 @@ def compare(T: int, names: Sequence[str], jla: Any, *, batch: int, heads: int, d
       cases += [(who, "forward", lambda x, ct, fn=fn: fn(**x)),
                 (who, "forward+backward", training_step(fn))]
     compiled = [benchmark.compile_function(fn, (x, ct))[0] for *_, fn in cases]
-    times = _in_rotating_turns(compiled, (x, ct), warmup=warmup, repeats=repeats,
-                               calls=calls_per_round)
+    times = benchmark.time_in_turns([(c, (x, ct)) for c in compiled], warmup=warmup,
+                                    repeats=repeats, rotate=True,
+                                    calls_per_round=calls_per_round)
     for (who, step, _), c, t in zip(cases, compiled, times, strict=True):
       record.setdefault(name, {}).setdefault(who, {})[step] = {
           "median_s": statistics.median(t), "times_s": t,
@@ -138,25 +138,6 @@ def compare(T: int, names: Sequence[str], jla: Any, *, batch: int, heads: int, d
                  "temp_memory": mine[step]["temp_bytes"] / other[step]["temp_bytes"]}
           for step in ("forward", "forward+backward")} | {"max_abs_difference": float(diff)}
   return record
-
-
-def _in_rotating_turns(compiled: Sequence[Any], args: Sequence[Any], *, warmup: int,
-                       repeats: int, calls: int) -> list[list[float]]:
-  """Seconds of each program per round: the least of ``calls`` calls (a shared
-  machine's bursts of load last about a call), the programs in turns, each round starting
-  one later (so that no program always follows the same one)."""
-  times = [[] for _ in compiled]
-  n = len(compiled)
-  for r in range(warmup + repeats):
-    for i in [(r + j) % n for j in range(n)]:
-      spent = []
-      for _ in range(calls):
-        start = time.perf_counter()
-        jax.block_until_ready(compiled[i](*args))
-        spent.append(time.perf_counter() - start)
-      if r >= warmup:
-        times[i].append(min(spent))
-  return times
 
 
 def _jla(path: str | None) -> Any:

@@ -628,18 +628,29 @@ def time_executable(compiled: Any, args: Sequence[Any], *, warmup: int,
 
 
 def time_in_turns(calls: Sequence[tuple[Any, Sequence[Any]]], *, warmup: int,
-                  repeats: int) -> list[list[float]]:
+                  repeats: int, rotate: bool = False,
+                  calls_per_round: int = 1) -> list[list[float]]:
   """Seconds of each of ``repeats`` calls of every ``(compiled, args)``, made in turns (one
-  call of each per round, after ``warmup`` untimed rounds): one list per executable."""
+  call of each per round, after ``warmup`` untimed rounds): one list per executable.
+
+  ``rotate``: each round starts one executable later, so that none always follows the
+  same one (a large program slows the call after it). ``calls_per_round``: a round's time
+  is the least of that many calls (a shared machine's bursts of load last about a call).
+  """
   for _ in range(warmup):
     for compiled, args in calls:
       jax.block_until_ready(compiled(*args))
   times: list[list[float]] = [[] for _ in calls]
-  for _ in range(repeats):
-    for (compiled, args), spent in zip(calls, times, strict=True):
-      start = time.perf_counter()
-      jax.block_until_ready(compiled(*args))
-      spent.append(time.perf_counter() - start)
+  n = len(calls)
+  for r in range(repeats):
+    for i in ((r + j) % n if rotate else j for j in range(n)):
+      compiled, args = calls[i]
+      spent = []
+      for _ in range(calls_per_round):
+        start = time.perf_counter()
+        jax.block_until_ready(compiled(*args))
+        spent.append(time.perf_counter() - start)
+      times[i].append(min(spent))
   return times
 
 

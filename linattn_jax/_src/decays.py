@@ -68,8 +68,11 @@ def pair_weights(x: jax.Array, y: jax.Array, g: jax.Array) -> jax.Array:
     Yang et al., "Gated Linear Attention Transformers with Hardware-Efficient
     Training", 2024 (secondary-level chunking, section 4.2).
   """
-  if g.shape[-1] == 1:
-    return jnp.einsum("...ih,...jh->...ij", x, y) * jnp.exp(segment_sums(g[..., 0], -1))
+  if g.shape[-1] == 1:  # Γ for each product: broadcast over several, Γ's gradient was a
+    # sum over them of [C, C] arrays (slow on XLA:CPU); g's is a sum of [C] ones.
+    lead = jnp.broadcast_shapes(x.shape[:-2], y.shape[:-2], g.shape[:-2])
+    g = jnp.broadcast_to(g[..., 0], lead + g.shape[-2:-1])
+    return jnp.einsum("...ih,...jh->...ij", x, y) * jnp.exp(segment_sums(g, -1))
   C = x.shape[-2]
   # One leading shape for all three: einsum's broadcasting of size-1 leading axes, under
   # grad inside lax.scan, made XLA:CPU (jaxlib 0.10, its YNNPACK dot fusion) crash.

@@ -182,17 +182,11 @@ def _delta_chunk(config, S, chunk: recurrence.Chunk):
     u, prefix, S_end = _delta_writes(S, chunk, kk=kk)
     prefix = prefix[:, :, rows]
   else:
-    if g.shape[-1] == 1:  # One decay matrix Γ, applied to the keys' and the queries'
-      # products apart (broadcast over both, its gradient was a sum over them: slow on
-      # XLA:CPU).
-      products = jnp.einsum("bkgih,bkjh->bkgij", jnp.concatenate([k, q], axis=2), chunk.fk)
-      decay = jnp.exp(segment_sums(g[:, :, 0, :, 0], -1))  # [B, K, C, C]: 0 where j > i.
-      kk, a = products[:, :, 0] * decay, products[:, :, 1:] * decay[:, :, None]
-    else:  # The keys' and the queries' in one call: their decays (with one per key
-      # feature, most of the work) are formed once.
-      weights = pair_weights(jnp.concatenate([k, q], axis=2), k, g)  # [B, K, 1 + G, C, C]
-      kk, a = weights[:, :, 0], weights[:, :, 1:]  # [B, K, G, C, C]
-    u, prefix, S_end = _delta_writes(S, chunk, kk=kk)
+    # The keys' and the queries' pair weights against the keys in one call: their decays
+    # (with one per key feature, most of the work) are formed once.
+    weights = pair_weights(jnp.concatenate([k, q], axis=2), k, g)  # [B, K, 1 + G, C, C]
+    u, prefix, S_end = _delta_writes(S, chunk, kk=weights[:, :, 0])
+    a = weights[:, :, 1:]  # [B, K, G, C, C]
   out = (jnp.einsum("bkgij,bkjd->bkgid", a, u)
          + jnp.einsum("bkgih,bkhd->bkgid", q * jnp.exp(prefix)[:, :, None], S))
   if out.shape[3] != C:  # The rows read, each after stride - 1 zero rows.
