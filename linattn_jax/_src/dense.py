@@ -214,6 +214,8 @@ def xla(a: Args, *, return_residual: bool = False) -> jax.Array | tuple[jax.Arra
   return (out, lse.astype(dtype)) if return_residual else out
 
 
+@checks.compiled("is_causal", "scale", "local_window_size", "return_residual", "causal_alignment",
+                 concrete_checks={"segment_ids": checks.check_segment_order})
 def softmax_attention_reference(
     query: ArrayLike,
     key: ArrayLike,

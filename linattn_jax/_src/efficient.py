@@ -156,6 +156,7 @@ def _reference(p: checks.Prepared, is_causal: bool, lengths: jax.Array | None,
   return out.reshape(B, T, N, D).astype(p.query.dtype)
 
 
+@checks.compiled("is_causal", concrete_checks={"segment_ids": checks.check_segment_order})
 def efficient_attention_reference(
     query: ArrayLike,
     key: ArrayLike,

@@ -291,6 +291,8 @@ def _finish(x, y, D, h, *, return_state: bool):
   return out
 
 
+@checks.compiled("return_state", "chunk_size", "implementation",
+                 concrete_checks={"segment_ids": checks.check_segment_order})
 def selective_scan(x: ArrayLike, dt: ArrayLike, A: ArrayLike, b: ArrayLike, c: ArrayLike,
                    D: ArrayLike | None = None, *, segment_ids: ArrayLike | None = None,
                    initial_state: SelectiveState | None = None, return_state: bool = False,
@@ -365,6 +367,7 @@ def _run(x, dt, A, b, c, D, *, segment_ids, initial_state, return_state, chunk_s
   return _finish(x, y, Dg, h, return_state=return_state)
 
 
+@checks.compiled("return_state", concrete_checks={"segment_ids": checks.check_segment_order})
 def selective_scan_reference(x: ArrayLike, dt: ArrayLike, A: ArrayLike, b: ArrayLike,
                              c: ArrayLike, D: ArrayLike | None = None, *,
                              segment_ids: ArrayLike | None = None,

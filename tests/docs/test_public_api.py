@@ -17,6 +17,8 @@ import linattn_jax as la
 PROJECTION = la.feature_maps.orthogonal_random_projection(jax.random.key(0), 8, 4)
 COMPILED = {
     "softmax_attention": dict(),
+    "softmax_attention_reference": dict(),  # The oracles too: a test calls them eagerly.
+    "efficient_attention_reference": dict(),
     "flash_attention": dict(),
     "linear_attention": dict(),
     "performer_attention": dict(projection=PROJECTION),
@@ -47,6 +49,18 @@ def test_public_functions_run_one_compiled_program_when_called_eagerly(name):
   with CompileCounter() as compiles:  # Once for the shapes (unless cached), not per call.
     fn(q1, q1, q1).block_until_ready()
     fn(q2, q1, q1).block_until_ready()
+  assert compiles.count <= 1
+
+
+@pytest.mark.parametrize("name", ["selective_scan", "selective_scan_reference"])
+def test_the_selective_scan_runs_one_compiled_program_when_called_eagerly(name):
+  x1, bc = jnp.ones((1, 8, 4)), jnp.ones((1, 8, 1, 2))
+  x2 = 2 * x1  # Same shape and dtype (not weakly typed), other values.
+  fn = functools.partial(getattr(la, name), dt=x1, A=-jnp.ones((4, 2)), b=bc, c=bc)  # G = 1
+  assert [eqn.primitive.name for eqn in jax.make_jaxpr(fn)(x1).jaxpr.eqns] == ["jit"]
+  with CompileCounter() as compiles:  # Once for the shapes, not per call.
+    fn(x1).block_until_ready()
+    fn(x2).block_until_ready()
   assert compiles.count <= 1
 
 

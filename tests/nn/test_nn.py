@@ -76,8 +76,9 @@ def test_gate_parameters_and_the_gates_they_make(name, monkeypatch):
     assert np.abs(grads[param].get_value()).sum() > 0, param
   seen = {}
 
-  def capture(*args, **kwargs):
-    seen.update({x.name: kwargs[x.name] for x in spec.token_inputs})
+  def capture(*args, **kwargs):  # The gates as the compiled call computes them.
+    jax.debug.callback(lambda **gates: seen.update(gates),
+                       **{x.name: kwargs[x.name] for x in spec.token_inputs})
     return spec.function(*args, **kwargs)
 
   spec = get_spec(name)
@@ -86,6 +87,7 @@ def test_gate_parameters_and_the_gates_they_make(name, monkeypatch):
   x_q = jax.random.normal(jax.random.key(9), (B, 5, IN))
   x_kv = 3 * jax.random.normal(jax.random.key(10), (B, S, IN))  # Cross: gates from x_kv.
   layer(x_q, x_kv, is_causal=True)
+  jax.effects_barrier()
   assert sorted(seen) == sorted(x.name for x in spec.token_inputs)
   H = IN // N
   if "log_decay" in seen:

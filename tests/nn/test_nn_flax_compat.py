@@ -29,7 +29,7 @@ def _x(seed, shape=(B, T, IN)):
   return jax.random.normal(jax.random.key(seed), shape)
 
 
-# Calls as one compiled program each (eagerly, every op compiles on its own): ``_both(f)``
+# Calls as one compiled program each (eagerly, each call is a program): ``_both(f)``
 # runs ``f`` on each layer given, ``_steps`` decodes one position at a time.
 def _both(f):
   return nnx.jit(lambda *layers_and_x: tuple(f(layer, layers_and_x[-1])

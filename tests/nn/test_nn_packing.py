@@ -108,7 +108,7 @@ def test_a_packed_pattern_is_its_pattern_cut_to_each_document(name):
   x = jax.random.normal(jax.random.key(4), (B, T, IN))
   ids = jnp.asarray(IDS)
   modes = (True, False) if get_spec(name).supports_noncausal else (True,)
-  # Both calls in every mode, one compiled program (eagerly, each op would compile alone).
+  # Both calls in every mode, one compiled program (eagerly, each call is a program).
   calls = nnx.jit(lambda m, x, ids: [
       (m(x, is_causal=c, segment_ids=ids), m(x, is_causal=c, mask=_same_segment(ids)))
       for c in modes])(layer, x, ids)

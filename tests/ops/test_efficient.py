@@ -50,6 +50,7 @@ def numpy_efficient(q, k, v):
 
 def numpy_causal(q, k, v, lengths=None):
   """Row t is the non-causal formula over keys ``j < min(t + S - T + 1, length)``."""
+  q, k, v = (np.asarray(x) for x in (q, k, v))  # Sliced in numpy, which compiles nothing.
   B, T = q.shape[:2]
   S = k.shape[1]
   out = np.zeros(q.shape[:3] + v.shape[-1:])

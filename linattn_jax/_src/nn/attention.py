@@ -32,6 +32,7 @@ from linattn_jax._src import checks
 from linattn_jax._src.nn import cache as cache_lib
 from linattn_jax._src.nn import packing, weights
 from linattn_jax._src.nn.cache import KVCache
+from linattn_jax._src.nn.compiled import compiled_call
 from linattn_jax._src.nn.flax_compat import call_attention_fn, flat, flat_mask, flax_cache_view
 from linattn_jax._src.nn.gates import GateProjections, l2_normalize
 from linattn_jax._src.parallel import ContextParallel
@@ -331,6 +332,7 @@ class MultiHeadAttention(nnx.Module):
 
   # -- calls ------------------------------------------------------------------
 
+  @compiled_call
   def __call__(
       self,
       inputs_q: jax.Array,

@@ -28,6 +28,7 @@ from flax.typing import Dtype, Initializer, PrecisionLike, Shape
 from linattn_jax._src import checks
 from linattn_jax._src.delta_product import delta_product_attention, steps_in_order
 from linattn_jax._src.nn import cache as cache_lib
+from linattn_jax._src.nn.compiled import compiled_call
 from linattn_jax._src.nn.gates import (
     GLA_GATE_NORMALIZER,
     GLA_GATE_RANK,
@@ -460,6 +461,7 @@ class RecurrentMixer(nnx.Module):
       out[self._beta_name] = beta if n == 1 else beta.reshape(lead + (n, V))
     return out
 
+  @compiled_call
   def __call__(self, x: jax.Array, *, decode: bool = False,
                segment_ids: jax.Array | None = None) -> jax.Array:
     """Mixes ``x [B, T, F]`` causally -> ``[B, T, F]``.

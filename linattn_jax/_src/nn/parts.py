@@ -30,6 +30,7 @@ from flax.nnx.nn import initializers
 from flax.typing import Dtype, Initializer, PrecisionLike, Shape
 
 from linattn_jax._src import checks
+from linattn_jax._src.nn.compiled import compiled_call
 
 DEFAULT_KERNEL_INIT = initializers.lecun_normal()
 ZEROS = initializers.zeros_init()
@@ -207,6 +208,7 @@ class ShortConvolution(CausalWindow):
     self.cache = nnx.data(None)
     self.cache_ids = nnx.data(None)
 
+  @compiled_call
   def __call__(self, x: jax.Array, *, decode: bool = False,
                segment_ids: jax.Array | None = None) -> jax.Array:
     """``x [B, T, F]`` -> ``[B, T, F]``; ``decode``: the next T positions after the cache."""
@@ -242,6 +244,7 @@ class TokenShift(CausalWindow):
     self.cache = nnx.data(None)
     self.cache_ids = nnx.data(None)
 
+  @compiled_call
   def __call__(self, x: jax.Array, *, decode: bool = False,
                segment_ids: jax.Array | None = None) -> jax.Array:
     ids = check_inputs(x, self.features, segment_ids, fn="TokenShift")
@@ -299,6 +302,7 @@ class GatedRMSNorm(nnx.Module):
       raise ValueError(f"{fn}: group_size={group_size} must divide features={features}.")
     self.scale = nnx.Param(jnp.ones((features,), param_dtype)) if use_scale else nnx.data(None)
 
+  @compiled_call
   def __call__(self, x: jax.Array, gate: jax.Array | None = None) -> jax.Array:
     if (gate is None) != (self.activation is None):
       need = "takes no gate" if self.activation is None else "needs a gate"
@@ -350,5 +354,6 @@ class LowRank(nnx.Module):
                          bias_init=bias_init, dtype=dtype, param_dtype=param_dtype,
                          precision=precision, rngs=rngs)
 
+  @compiled_call
   def __call__(self, x: jax.Array) -> jax.Array:
     return self.up(self._act(self.down(x)))

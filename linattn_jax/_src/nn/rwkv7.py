@@ -18,6 +18,7 @@ from flax.typing import Dtype, PrecisionLike, Shape
 
 from linattn_jax._src import checks
 from linattn_jax._src.nn import cache as cache_lib
+from linattn_jax._src.nn.compiled import compiled_call
 from linattn_jax._src.nn.gates import l2_normalize
 from linattn_jax._src.nn.parts import LowRank, TokenShift, check_inputs, expand_to
 from linattn_jax._src.registry import get_spec
@@ -186,6 +187,7 @@ class RWKV7TimeMixer(nnx.Module):
         dtype=jnp.dtype(dtype), options=self.attention_options))
     self.shift.init_cache(input_shape, self.dtype or dtype)
 
+  @compiled_call
   def __call__(self, x: jax.Array, v_first: jax.Array | None = None, *, decode: bool = False,
                segment_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Mixes ``x [B, T, F]`` causally: ``(out [B, T, F], v_first [B, T, F])``.

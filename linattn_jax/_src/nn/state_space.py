@@ -31,6 +31,7 @@ from flax.typing import Dtype, Initializer, PrecisionLike, Shape
 
 from linattn_jax._src import checks
 from linattn_jax._src.nn import cache as cache_lib
+from linattn_jax._src.nn.compiled import compiled_call
 from linattn_jax._src.nn.gates import mamba2_decay_init
 from linattn_jax._src.nn.parts import (
     DEFAULT_KERNEL_INIT,
@@ -183,6 +184,7 @@ class Mamba2Mixer(nnx.Module):
         options=self.attention_options, value_shape=(self.num_heads, self.head_dim)))
     self.conv.init_cache(input_shape, self.dtype or dtype)
 
+  @compiled_call
   def __call__(self, x: jax.Array, *, decode: bool = False,
                segment_ids: jax.Array | None = None) -> jax.Array:
     """Mixes ``x [B, T, F]`` causally -> ``[B, T, F]``.
@@ -354,6 +356,7 @@ class MambaMixer(nnx.Module):
     self.cache_id = nnx.Cache(jnp.zeros((B,), jnp.int32))
     self.conv.init_cache(input_shape, self.dtype or dtype)
 
+  @compiled_call
   def __call__(self, x: jax.Array, *, decode: bool = False,
                segment_ids: jax.Array | None = None) -> jax.Array:
     """Mixes ``x [B, T, F]`` causally -> ``[B, T, F]`` (``decode``, ``segment_ids``: as
@@ -444,6 +447,7 @@ class ShortConvMixer(nnx.Module):
     """An empty decode cache for inputs ``(B, C, F)``: the convolution's last inputs."""
     self.conv.init_cache(input_shape, dtype)
 
+  @compiled_call
   def __call__(self, x: jax.Array, *, decode: bool = False,
                segment_ids: jax.Array | None = None) -> jax.Array:
     """Mixes ``x [B, T, F]`` causally -> ``[B, T, F]`` (``decode``, ``segment_ids``: as
