@@ -389,7 +389,22 @@ def cosformer_attention_reference(
   References:
     Qin et al., "cosFormer: Rethinking Softmax in Attention", ICLR 2022.
   """
-  fn = "cosformer_attention_reference"
+  # One compiled program; the values of a concrete initial_state are judged after it (its
+  # shapes and the options first, as the program traces).
+  result = _reference(query, key, value, max_length=max_length, is_causal=is_causal,
+                      key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids,
+                      eps=eps, initial_state=initial_state, return_state=return_state)
+  if initial_state is not None:
+    _check_state_values(initial_state, max_length, jnp.shape(key)[-3], fn=_REFERENCE)
+  return result
+
+
+_REFERENCE = "cosformer_attention_reference"
+
+
+def _reference(query, key, value, *, max_length, is_causal, key_value_seq_lengths, segment_ids,
+               eps, initial_state, return_state):
+  fn = _REFERENCE
   is_causal = checks.check_static_bool(is_causal, name="is_causal", fn=fn)
   p = checks.prepare_qkv(query, key, value, fn=fn)
   d = p.dims
@@ -411,7 +426,6 @@ def cosformer_attention_reference(
         {"kv": lead + (d.K, M, d.D), "k_sum": lead + (d.K, M), "position": lead + (d.K,),
          "max_length": lead + (d.K,)},
         dims=f"B={d.B}, K={d.K}, M={M}, D={d.D}", what="initial_state", fn=fn)
-    _check_state_values(initial_state, L, d.S, fn=fn)
     state = jax.tree.map(lambda x: jnp.asarray(x).astype(dtype), state)
     state = state if p.batched else jax.tree.map(lambda x: x[None], state)
   q, k, v = (x.astype(dtype) for x in (p.query, p.key, p.value))
@@ -454,6 +468,12 @@ def cosformer_attention_reference(
       _final_position(state.position, d.S, reset),
       jnp.full_like(state.max_length, L))
   return out, new if p.batched else jax.tree.map(lambda x: x[0], new)
+
+
+_reference.__name__ = _REFERENCE  # The name its errors give.
+_reference = checks.compiled("max_length", "is_causal", "eps", "return_state",
+                             concrete_checks={"segment_ids": checks.check_segment_order}
+                             )(_reference)
 
 
 def init_cosformer_state(

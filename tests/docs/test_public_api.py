@@ -23,6 +23,7 @@ COMPILED = {
     "linear_attention": dict(),
     "performer_attention": dict(projection=PROJECTION),
     "cosformer_attention": dict(max_length=8),
+    "cosformer_attention_reference": dict(max_length=8),
     "linformer_attention": dict(key_projection=jnp.ones((3, 8)), value_projection=jnp.ones((3, 8))),
     "efficient_attention": dict(),
     "heinsen_attention": dict(),

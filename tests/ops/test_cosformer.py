@@ -112,5 +112,12 @@ def test_max_length_errors_name_the_option_and_the_lengths():
   with pytest.raises(ValueError, match=r"initial_state was made with max_length \[12.0\]; this "
                      "call has max_length=30"):
     la.cosformer_attention(q, k, v, max_length=30, is_causal=True, initial_state=state)
+  # The oracle judges a concrete state's values too (after its one compiled program).
+  with pytest.raises(ValueError, match=r"cosformer_attention_reference: initial_state.position=9 "
+                     "plus key length S=9 exceeds max_length=12"):
+    la.cosformer_attention_reference(q, k, v, max_length=L, is_causal=True, initial_state=state)
+  with pytest.raises(ValueError, match=r"cosformer_attention_reference: initial_state was made "
+                     r"with max_length \[12.0\]"):
+    la.cosformer_attention_reference(q, k, v, max_length=30, is_causal=True, initial_state=state)
   with pytest.raises(ValueError, match="init_cosformer_state: max_length must be a positive"):
     la.init_cosformer_state(1, 1, 4, 4, max_length=0)
