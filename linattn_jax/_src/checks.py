@@ -314,6 +314,7 @@ def check_static_bool(value: Any, *, name: str, fn: str) -> bool:
 def compiled(
     *static_argnames: str,
     concrete_checks: dict[str, Callable[..., None]] | None = None,
+    name: str | None = None,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
   """Runs a public function as one compiled program, eager calls included.
 
@@ -325,21 +326,23 @@ def compiled(
 
   ``concrete_checks`` maps a keyword to ``check(value, name=, fn=)``, run on the
   value before tracing: the place for checks of array *values* (``segment_ids``
-  that decrease), which can only be made while the array is concrete.
+  that decrease), which can only be made while the array is concrete. ``name``: the
+  function its errors name (default the decorated function's own name).
   """
   concrete_checks = dict(concrete_checks or {})
 
   def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
     jitted = jax.jit(fn, static_argnames=static_argnames)
+    fn_name = name or fn.__name__
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
       for name in static_argnames:
         if name in kwargs:
-          kwargs[name] = static_option(kwargs[name], name=name, fn=fn.__name__)
+          kwargs[name] = static_option(kwargs[name], name=name, fn=fn_name)
       for name, check in concrete_checks.items():
         if kwargs.get(name) is not None:
-          check(kwargs[name], name=name, fn=fn.__name__)
+          check(kwargs[name], name=name, fn=fn_name)
       return jitted(*args, **kwargs)
 
     return wrapper

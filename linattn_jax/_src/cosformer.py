@@ -402,6 +402,8 @@ def cosformer_attention_reference(
 _REFERENCE = "cosformer_attention_reference"
 
 
+@checks.compiled("max_length", "is_causal", "eps", "return_state",
+                 concrete_checks={"segment_ids": checks.check_segment_order}, name=_REFERENCE)
 def _reference(query, key, value, *, max_length, is_causal, key_value_seq_lengths, segment_ids,
                eps, initial_state, return_state):
   fn = _REFERENCE
@@ -468,12 +470,6 @@ def _reference(query, key, value, *, max_length, is_causal, key_value_seq_length
       _final_position(state.position, d.S, reset),
       jnp.full_like(state.max_length, L))
   return out, new if p.batched else jax.tree.map(lambda x: x[0], new)
-
-
-_reference.__name__ = _REFERENCE  # The name its errors give.
-_reference = checks.compiled("max_length", "is_causal", "eps", "return_state",
-                             concrete_checks={"segment_ids": checks.check_segment_order}
-                             )(_reference)
 
 
 def init_cosformer_state(

@@ -58,7 +58,8 @@ def compiled_call(method: Callable[..., Any]) -> Callable[..., Any]:
 
   @functools.wraps(method)
   def wrapper(self: nnx.Module, *args: Any, **kwargs: Any) -> Any:
-    static = {k: _static(v) for k, v in kwargs.items() if not _is_input(_static(v))}
+    kwargs = {k: _static(v) for k, v in kwargs.items()}
+    static = {k: v for k, v in kwargs.items() if not _is_input(v)}
     inputs = {k: v for k, v in kwargs.items() if k not in static}
     if (jax.config.jax_disable_jit or _traced((args, inputs))
         or getattr(self, "context_parallel", None) is not None
