@@ -194,7 +194,7 @@ class ParamSpec:
       head_dim = jnp.shape(args[head_dim_at])[-1]
       init = functools.partial(self.init, head_dim=head_dim, **drawn)
       if not arrays:
-        arrays = init(checks.prng_key(rng))
+        arrays = _draw(self.init, head_dim, drawn, rng)
       elif rng is not None or len(arrays) != len(self.names):
         raise ValueError(f"{name}: give all of {list(self.names)} or none (then they are "
                          "drawn from `rng`); not `rng` with them.")
@@ -215,6 +215,40 @@ class ParamSpec:
     with_arrays.__signature__ = signature.replace(parameters=kept + extra)
     with_arrays.__name__ = name
     return with_arrays
+
+
+def _draw(init: Callable[..., Mapping[str, Any]], head_dim: int, options: dict[str, Any],
+          rng: Any) -> Mapping[str, Any]:
+  """``init(key, head_dim, **options)`` for the key ``rng`` makes (:func:`checks.prng_key`).
+
+  A seed or a concrete key draws now, by one compiled program shared by every call with
+  these sizes, even inside a caller's trace: the caller's program then holds the arrays
+  as constants instead of drawing them (a random normal and a QR factorisation for
+  FAVOR+) at every run, and costs no compilation of the draw. A traced key (drawn anew
+  per step, say) draws inside the caller's program, as do options that cannot be keys
+  of the cache.
+  """
+  with jax.ensure_compile_time_eval():  # A seed's key, concrete inside a trace too.
+    key = checks.prng_key(rng)
+  if isinstance(key, jax.core.Tracer):
+    return init(key, head_dim=head_dim, **options)
+  try:
+    draw = _compiled_init(init, head_dim, tuple(sorted(options.items())), key.shape, key.dtype,
+                          jax.sharding.get_abstract_mesh())
+  except TypeError:  # An unhashable option.
+    return init(key, head_dim=head_dim, **options)
+  return draw(key)
+
+
+@functools.cache
+def _compiled_init(init: Callable[..., Mapping[str, Any]], head_dim: int,
+                   options: tuple[tuple[str, Any], ...], key_shape: tuple[int, ...],
+                   key_dtype: Any, mesh: Any) -> Callable[[Any], Mapping[str, Any]]:
+  """``init``'s draw for keys of this shape and type, compiled ahead of any caller; for
+  the caller's mesh context (its arrays are typed by it: inside ``shard_map``, manual)."""
+  del mesh  # Part of the cache's key only.
+  draw = functools.partial(init, head_dim=head_dim, **dict(options))
+  return jax.jit(draw).lower(jax.ShapeDtypeStruct(key_shape, key_dtype)).compile()
 
 
 class Role(str, enum.Enum):
