@@ -197,6 +197,36 @@ def test_registry_redraw_is_a_pure_function_of_rng():
     assert spec.noncausal_only == {"parallel"}
 
 
+def _has_qr(jaxpr) -> bool:
+  return any(eqn.primitive.name in ("householder_product", "geqrf", "qr")
+             or any(_has_qr(sub) for sub in jax.extend.core.jaxprs_in_params(eqn.params))
+             for eqn in jaxpr.eqns)
+
+
+def test_a_seed_draws_outside_the_callers_program_and_a_traced_key_inside():
+  """A seed (or a concrete key) draws the projection once, at trace time: the caller's
+  program holds it as a constant and computes no QR factorisation; a key that is an
+  argument of the caller's program draws inside it. Both give the same values, also
+  under ``shard_map`` (where the drawn arrays are typed by its manual mesh), to float32's
+  rounding (one draw is compiled on its own, the other inside a larger program)."""
+  q, k, v = make_qkv(SHAPE)
+  fn = la.get_attention("performer", num_features=8)
+  seeded = jax.make_jaxpr(lambda q: fn(q, k, v, is_causal=True, rng=3))(q)
+  traced = jax.make_jaxpr(lambda q, key: fn(q, k, v, is_causal=True, rng=key))(
+      q, jax.random.key(3))
+  assert not _has_qr(seeded.jaxpr) and _has_qr(traced.jaxpr)
+  want = jax.jit(lambda q, key: fn(q, k, v, is_causal=True, rng=key))(q, jax.random.key(3))
+  close = lambda got: np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-5)  # noqa: E731
+  close(jax.jit(lambda q: fn(q, k, v, is_causal=True, rng=3))(q))
+  mesh = jax.make_mesh((2,), ("b",), axis_types=(jax.sharding.AxisType.Auto,),
+                       devices=jax.devices("cpu")[:2])
+  spec = jax.sharding.PartitionSpec("b")
+  split = jax.jit(jax.shard_map(lambda q, k, v: fn(q, k, v, is_causal=True, rng=3), mesh=mesh,
+                                in_specs=spec, out_specs=spec))
+  close(split(q, k, v))
+  close(fn(q, k, v, is_causal=True, rng=3))
+
+
 def test_errors_name_shapes_and_options():
   q, k, v = make_qkv(SHAPE)
   with pytest.raises(ValueError, match=r"performer_attention: projection must be \[M, H\] with "
