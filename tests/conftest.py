@@ -65,9 +65,9 @@ if jaxlib.version.__version_info__ < (0, 11):
                           " --xla_cpu_parallel_codegen_split_count=1")
 os.environ.setdefault("XLA_FLAGS", _FAST_COMPILE_FLAGS)
 # Each operation of a lowered program carries its source location as MLIR metadata, by
-# default with up to 100 frames of the Python stack that made it; the suite's programs are
-# never profiled or dumped, and without the frames lowering and compiling them took 4% less
-# (the shared suite's parity tests). Python's own tracebacks are unchanged.
+# default with up to 100 frames of the Python stack that made it. The suite's programs are
+# never profiled or dumped, and without the frames they lower and compile faster
+# (docs/testing.md). Python's own tracebacks are unchanged.
 os.environ.setdefault("JAX_TRACEBACK_IN_LOCATIONS_LIMIT", "0")
 jax.config.update("jax_traceback_in_locations_limit",
                   int(os.environ["JAX_TRACEBACK_IN_LOCATIONS_LIMIT"]))
